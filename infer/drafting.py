@@ -1,0 +1,64 @@
+"""What a drafter is to the engine.
+
+The engine owns the target, its cache and verification; a drafter only proposes trees. After the prefill
+and after every verification the engine tells the drafter what the target committed (`observe`), then
+asks for the next tree (`propose`), whose root is the target's pending next token. Medusa heads, EAGLE
+drafters, a separate draft model and n-gram lookup all implement this one interface.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams
+from .tree import DraftTree
+
+
+@dataclass
+class TargetStep:
+    """Tokens the target just committed to its cache, and what it computed for them."""
+
+    tokens: torch.Tensor  # [B, A]; the prompt after the prefill, root + accepted drafts after a verify
+    valid: torch.Tensor  # [B, A] bool; valid slots are contiguous (left padding at prefill, right after)
+    positions: torch.Tensor  # [B, A] position ids of those tokens
+    hidden: tuple[torch.Tensor, ...]  # one [B, A, D] per index in the drafter's `feature_layers`
+    next_tokens: torch.Tensor  # [B] the target's token after each row's last valid slot: the next root
+
+    def following_tokens(self) -> torch.Tensor:
+        """[B, A]: for every slot, the token that follows it (the next slot's, or `next_tokens` at the end)."""
+        nxt = torch.cat([self.tokens[:, 1:], self.next_tokens[:, None]], dim=1)
+        nxt_valid = torch.cat([self.valid[:, 1:], torch.zeros_like(self.valid[:, :1])], dim=1)
+        return torch.where(nxt_valid, nxt, self.next_tokens[:, None])
+
+    def last_valid_index(self) -> torch.Tensor:
+        """[B]: index of each row's last valid slot."""
+        a = self.valid.shape[1]
+        idx = torch.arange(a, device=self.valid.device).expand_as(self.valid)
+        return torch.where(self.valid, idx, -1).max(1).values
+
+
+class Drafter:
+    """Base class. Subclasses set `feature_layers` and implement `observe` and `propose`."""
+
+    # Indices into the target's `output_hidden_states` tuple (0 = embeddings, L = last layer after the
+    # final norm) that `observe` needs in `TargetStep.hidden`.
+    feature_layers: tuple[int, ...] = ()
+
+    def check_target(self, target) -> None:
+        """Raise ValueError if this drafter cannot serve `target`."""
+
+    def bind(self, target, sampling: SamplingParams, batch_size: int) -> None:
+        """Start a generation: remember the target and the sampling settings, reset per-row state."""
+        self.target, self.sampling, self.batch_size = target, sampling, batch_size
+
+    def observe(self, step: TargetStep) -> None:
+        raise NotImplementedError
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        """A tree per row whose root is the last `next_tokens`; `budget[b]` is the deepest depth row b can use."""
+        raise NotImplementedError
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        """Keep only these batch rows (others finished)."""

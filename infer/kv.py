@@ -1,0 +1,137 @@
+"""The target's (or a drafter's) KV cache with per-row bookkeeping, driven through the model's own forward.
+
+We never patch modeling code. Every forward gets an explicit 4D additive attention mask, `position_ids`
+and `cache_position`; transformers passes a 4D mask through untouched. That lets one cache hold rows
+that accept different numbers of tokens per step: a row's rejected or unused slots stay in the tensor as
+holes (`valid` False) that no later query attends to, and positions are counted over valid slots only.
+With batch size 1 no hole ever appears.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+
+
+def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, int | None]]:
+    """How a model consumes masks: one tensor for all layers, or a dict keyed by `config.layer_types`.
+
+    Returns ("tensor", {"all": window}) or ("by_layer_type", {layer_type: window}); window None = full.
+    """
+    if config is None:
+        return "tensor", {"all": None}
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types:
+        kinds = set(layer_types)
+        unknown = kinds - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise ValueError(f"layer types {sorted(unknown)} of model_type {config.model_type!r} are not "
+                             "supported by tree verification (only full and sliding-window attention)")
+        if "sliding_attention" in kinds:
+            return "by_layer_type", {"full_attention": None, "sliding_attention": window}
+        return "tensor", {"all": None}
+    return "tensor", {"all": window}
+
+
+class KVState:
+    """A `DynamicCache` plus, for every slot, whether it holds a live token and at which position."""
+
+    def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None):
+        self.cache = DynamicCache()
+        self.layout, self.windows = attention_layout(config)
+        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
+        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
+        self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] live tokens = next position
+
+    @property
+    def size(self) -> int:
+        return self.valid.shape[1]
+
+    def mask(self, query_pos: torch.Tensor, attend: torch.Tensor, dtype: torch.dtype):
+        """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, S + N]."""
+        b, n = query_pos.shape
+        key_pos = torch.cat([self.pos, query_pos], dim=1)  # [B, S + N]
+        # A query always sees itself, so no softmax row is empty (padding queries included).
+        self_slot = torch.zeros_like(attend)
+        self_slot[:, torch.arange(n), self.size + torch.arange(n)] = True
+        attend = attend | self_slot
+        masks = {}
+        for name, window in self.windows.items():
+            allowed = attend
+            if window is not None:
+                allowed = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < window)
+            m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+            m.masked_fill_(~allowed, torch.finfo(dtype).min)
+            masks[name] = m[:, None]  # [B, 1, N, S + N]
+        return masks["all"] if self.layout == "tensor" else masks
+
+    def tree_inputs(self, depth: torch.Tensor, ancestors: torch.Tensor, node_valid: torch.Tensor,
+                    dtype: torch.dtype):
+        """position_ids [B, N], cache_position [N] and mask(s) for a block of tree nodes after the cache."""
+        # depth: [B, N]; ancestors: [B, N, N]; node_valid: [B, N]
+        b, n = depth.shape
+        position_ids = self.length[:, None] + depth
+        past = self.valid[:, None, :].expand(b, n, self.size)
+        attend = torch.cat([past, ancestors & node_valid[:, None, :]], dim=2)
+        cache_position = torch.arange(self.size, self.size + n, device=depth.device)
+        return position_ids, cache_position, self.mask(position_ids, attend, dtype)
+
+    def appended(self, position_ids: torch.Tensor, node_valid: torch.Tensor) -> None:
+        """Record slots the model's forward just appended to the cache (not yet committed)."""
+        self.valid = torch.cat([self.valid, torch.zeros_like(node_valid)], dim=1)
+        self.pos = torch.cat([self.pos, position_ids], dim=1)
+
+    def commit(self, start: int, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep slots `start + slots[b, j]` (where `keep[b, j]`) at `start + j`; drop everything after.
+
+        slots, keep: [B, A]. The kept entries are gathered into place, never recomputed.
+        """
+        index = start + slots
+        for layer in self.cache.layers:
+            if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
+                continue
+            for name in ("keys", "values"):
+                t = getattr(layer, name)  # [B, H, S, D]
+                gathered = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                setattr(layer, name, torch.cat([t[:, :, :start], gathered], dim=2))
+        self.pos = torch.cat([self.pos[:, :start], self.pos.gather(1, index)], dim=1)
+        self.valid = torch.cat([self.valid[:, :start], keep], dim=1)
+        self.length = self.length + keep.sum(1)
+
+    def rollback(self, size: int) -> None:
+        """Forget every slot from `size` on (uncommitted drafts)."""
+        drop = self.size - size
+        if drop > 0:
+            for layer in self.cache.layers:
+                layer.crop(-drop)
+            self.valid = self.valid[:, :size]
+            self.pos = self.pos[:, :size]
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        for layer in self.cache.layers:
+            layer.batch_select_indices(rows)
+        self.valid, self.pos, self.length = self.valid[rows], self.pos[rows], self.length[rows]
+
+
+def prompt_tree(attention_mask: torch.Tensor):
+    """depth, ancestors and node validity that make a left-padded prompt one causal block."""
+    # attention_mask: [B, P]
+    valid = attention_mask.bool()
+    p = valid.shape[1]
+    depth = (valid.long().cumsum(1) - 1).clamp(min=0)
+    causal = torch.ones(p, p, dtype=torch.bool, device=valid.device).tril()
+    ancestors = causal[None] & valid[:, None, :]
+    return depth, ancestors, valid
+
+
+def forward_block(model, kv: KVState, depth, ancestors, node_valid, *, input_ids=None, inputs_embeds=None,
+                  **kwargs):
+    """Run `model` on a block of nodes placed after the cache; the new slots stay uncommitted."""
+    dtype = model.dtype if inputs_embeds is None else inputs_embeds.dtype
+    position_ids, cache_position, mask = kv.tree_inputs(depth, ancestors, node_valid, dtype)
+    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask,
+                position_ids=position_ids, past_key_values=kv.cache, cache_position=cache_position,
+                use_cache=True, **kwargs)
+    kv.appended(position_ids, node_valid)
+    return out

@@ -1,0 +1,98 @@
+"""Draft trees as data.
+
+A tree is a batch of node tables: `tokens[b, n]`, `parents[b, n]` (-1 for the root, always node 0; a
+parent always precedes its children) and `valid[b, n]` (padding nodes are False). Every drafter hands the
+engine one of these; chains (draft model, n-gram) are trees with one branch. From the parents alone we
+derive what verification needs: each node's depth (its position offset) and its ancestor set (the
+attention mask among tree nodes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DraftTree:
+    tokens: torch.Tensor  # [B, N] long; node 0 is the root: the pending token, not yet in the target's cache
+    parents: torch.Tensor  # [B, N] long; -1 for the root
+    valid: torch.Tensor  # [B, N] bool
+    # [B, N, V] float or None. For drafts sampled i.i.d. with their siblings: the distribution each node's
+    # token was drawn from. None when drafts are deterministic (top-k, argmax, lookup): q is then one-hot.
+    q: torch.Tensor | None = None
+
+    def __post_init__(self):
+        b, n = self.tokens.shape
+        if self.parents.shape != (b, n) or self.valid.shape != (b, n):
+            raise ValueError(f"tree tables disagree: tokens {tuple(self.tokens.shape)}, parents "
+                             f"{tuple(self.parents.shape)}, valid {tuple(self.valid.shape)}")
+        if self.q is not None and self.q.shape[:2] != (b, n):
+            raise ValueError(f"tree q must be [B, N, V]; got {tuple(self.q.shape)} for {n} nodes")
+
+    @property
+    def num_nodes(self) -> int:
+        return self.tokens.shape[1]
+
+    def depth_and_ancestors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """depth: [B, N] (root 0); ancestors: [B, N, N] bool, ancestors[b, i, j] = j is i or an ancestor of i."""
+        return depth_and_ancestors(self.parents, self.valid)
+
+    def prune_deeper_than(self, max_depth: torch.Tensor) -> DraftTree:
+        """Invalidate nodes deeper than `max_depth[b]` (so a row never drafts past its token budget)."""
+        depth, _ = self.depth_and_ancestors()
+        return DraftTree(self.tokens, self.parents, self.valid & (depth <= max_depth[:, None]), self.q)
+
+
+def depth_and_ancestors(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # parents: [B, N]; valid: [B, N]
+    b, n = parents.shape
+    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
+    # step[b, i, j]: j is the parent of i
+    has_parent = parents >= 0
+    step = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
+    step.scatter_(2, parents.clamp(min=0)[..., None], has_parent[..., None])
+    ancestors = eye.clone()
+    reach = eye.float()
+    stepf = step.float()
+    for _ in range(n - 1):
+        reach = reach @ stepf  # reach[b, i, j]: j is the k-th ancestor of i
+        if not reach.any():
+            break
+        ancestors |= reach.bool()
+    depth = ancestors.sum(-1) - 1
+    # A node is usable only if its whole ancestry is valid.
+    ancestry_ok = ~(ancestors & ~valid[:, None, :]).any(-1)
+    if (valid & ~ancestry_ok).any():
+        raise ValueError("draft tree has a valid node below an invalid parent")
+    return depth, ancestors
+
+
+def tree_from_paths(paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A static tree (Medusa-style "choices") from its paths of sibling ranks.
+
+    `paths` lists every non-root node as the ranks taken from the root, e.g. `[(0,), (1,), (0, 0)]`: the
+    top-1 and top-2 children of the root, and the top-1 child of the first. Every prefix of a path must
+    itself be a path. Returns `parents` [N] (node 0 = root, -1) and `ranks` [N] (root 0), nodes ordered by
+    depth then rank, so parents precede children.
+    """
+    nodes = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+    if not nodes:
+        raise ValueError("a static tree needs at least one path, e.g. [(0,), (0, 0)]")
+    index = {(): 0}
+    parents, ranks = [-1], [0]
+    for path in nodes:
+        if len(path) == 0 or any((not isinstance(r, int)) or r < 0 for r in path):
+            raise ValueError(f"tree path {path!r} must be a non-empty tuple of non-negative ranks")
+        if path[:-1] not in index:
+            raise ValueError(f"tree path {path!r} has no parent path {path[:-1]!r}; add it to the tree")
+        index[path] = len(parents)
+        parents.append(index[path[:-1]])
+        ranks.append(path[-1])
+    return torch.tensor(parents), torch.tensor(ranks)
+
+
+def chain_paths(length: int) -> list[tuple[int, ...]]:
+    """The single-branch tree of `length` top-1 drafts."""
+    return [(0,) * d for d in range(1, length + 1)]
