@@ -35,7 +35,10 @@ def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, in
 
 
 class KVState:
-    """A `DynamicCache` plus, for every slot, whether it holds a live token and at which position."""
+    """A `DynamicCache` plus, for every slot, whether it holds a live token and at which position.
+
+    Invariant: `length == valid.sum(1)`, the position id the next token of each row gets.
+    """
 
     def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None):
         self.cache = DynamicCache()
@@ -88,16 +91,25 @@ class KVState:
         slots, keep: [B, A]. The kept entries are gathered into place, never recomputed.
         """
         index = start + slots
+        width = slots.shape[1]
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # [B, H, S, D]
                 gathered = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-                setattr(layer, name, torch.cat([t[:, :, :start], gathered], dim=2))
+                t[:, :, start:start + width] = gathered
+                setattr(layer, name, t[:, :, :start + width])
         self.pos = torch.cat([self.pos[:, :start], self.pos.gather(1, index)], dim=1)
         self.valid = torch.cat([self.valid[:, :start], keep], dim=1)
-        self.length = self.length + keep.sum(1)
+        self.length = self.valid.sum(1)
+
+    def mark_valid(self, node_valid: torch.Tensor) -> None:
+        """Provisionally treat the last block of slots as context (multi-step drafting); `commit` or
+        `rollback` later decides what stays."""
+        n = node_valid.shape[1]
+        self.valid = torch.cat([self.valid[:, :self.size - n], node_valid], dim=1)
+        self.length = self.valid.sum(1)
 
     def rollback(self, size: int) -> None:
         """Forget every slot from `size` on (uncommitted drafts)."""
@@ -107,6 +119,7 @@ class KVState:
                 layer.crop(-drop)
             self.valid = self.valid[:, :size]
             self.pos = self.pos[:, :size]
+            self.length = self.valid.sum(1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.cache.layers:

@@ -1,0 +1,342 @@
+"""`SelfSpecModel`: speculative generation over any transformers causal LM, verified with a tree mask.
+
+The loop (Stern et al. 2018; Leviathan et al. 2023; Cai et al. 2024 for trees):
+
+    1. prefill the prompt; the target picks the first new token (the first root)
+    2. the drafter proposes a tree below the root
+    3. ONE target forward scores every tree node (4D tree attention mask, explicit positions)
+    4. acceptance keeps the longest valid path plus one token from the target (the bonus)
+    5. the kept path's KV entries are gathered into place; everything else is dropped
+    6. the drafter observes what was committed; repeat from 2 until every row is done
+
+Greedy output is token-identical to `target.generate(do_sample=False)`; sampling is exact rejection
+sampling over the tree, so outputs follow the target's distribution.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+
+from .drafters import DraftModelDrafter, NgramDrafter
+from .drafting import Drafter, TargetStep
+from .kv import KVState, forward_block, prompt_tree
+from .sampling import SamplingParams, next_token
+from .tree import DraftTree
+from .verify import Acceptance, accept_greedy, accept_sampled, accept_typical
+
+MASKABLE_ATTENTION = ("sdpa", "eager")
+
+
+def as_drafter(drafter, target) -> Drafter:
+    """Turn what the user passed into a `Drafter`: heads model, "ngram", a draft LM, or a Drafter."""
+    if isinstance(drafter, Drafter):
+        out = drafter
+    elif isinstance(drafter, str):
+        if drafter != "ngram":
+            raise ValueError(f"unknown drafter {drafter!r}: pass 'ngram', a heads model (heads.load(...)), "
+                             "or a causal LM that shares the target's tokenizer")
+        out = NgramDrafter()
+    elif hasattr(drafter, "as_drafter"):  # a trained drafter from `heads`
+        drafter.attach(target)
+        out = drafter.as_drafter()
+    elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
+        out = DraftModelDrafter(drafter)
+    else:
+        raise TypeError(f"cannot draft with a {type(drafter).__name__}: pass 'ngram', a heads model, a "
+                        "causal LM sharing the target's tokenizer, or an infer.Drafter")
+    out.check_target(target)
+    return out
+
+
+def _ensure_maskable(target) -> None:
+    impl = target.config._attn_implementation
+    if impl in MASKABLE_ATTENTION:
+        return
+    warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; switching the target to "
+                  "'sdpa'", stacklevel=3)
+    try:
+        target.set_attn_implementation("sdpa")
+    except (ValueError, ImportError) as err:
+        raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch to "
+                         "sdpa; load it with attn_implementation='eager'") from err
+
+
+@dataclass
+class _Settings:
+    sampling: SamplingParams
+    max_new_tokens: int
+    eos: set[int]
+    pad: int
+    typical: bool
+
+
+@dataclass
+class _Rows:
+    """Per-row output of one generate call; `alive` maps cache rows to output rows."""
+
+    alive: torch.Tensor  # [B_alive] output row of each live cache row
+    limit: list[int]  # max new tokens per output row (max_new_tokens, capped by the context length)
+    out: list[list[int]] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)  # tokens per verify step, all rows
+
+    def emit(self, row: int, tokens: list[int], eos: set[int]) -> bool:
+        """Append tokens for an output row; True if the row is finished."""
+        out = self.out[row]
+        for tok in tokens:
+            out.append(tok)
+            if tok in eos or len(out) >= self.limit[row]:
+                return True
+        return False
+
+
+class SelfSpecModel:
+    """A frozen target plus a drafter, generating with tree-verified speculation.
+
+    >>> model = SelfSpecModel(target, "ngram")
+    >>> out = model.generate(input_ids, max_new_tokens=64)   # == target.generate(input_ids, ...)
+    """
+
+    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False):
+        if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
+            raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
+        _ensure_maskable(target)
+        self.target = target.eval()
+        self.drafter = as_drafter(drafter, self.target)
+        self.typical_acceptance = typical_acceptance
+        self.last_stats: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
+                        **hf_kwargs) -> SelfSpecModel:
+        """Load a saved drafter and, unless given, the target recorded in its config."""
+        import heads
+
+        drafter = heads.load(drafter_path_or_hub_id)
+        if target is None:
+            name = drafter.config.base_model_name_or_path
+            if not name:
+                raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path; pass target=")
+            from .embedded import resolve_target
+
+            target, _ = resolve_target(name, **hf_kwargs)
+        return cls(target, drafter)
+
+    # ---------------------------------------------------------------- generate
+    @torch.inference_mode()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                 max_new_tokens: int | None = None, do_sample: bool | None = None,
+                 temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer=None,
+                 generation_config: GenerationConfig | None = None,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Like `target.generate`: returns [B, prompt + new] with rows that stop early padded.
+
+        Sampling settings default to greedy, temperature 1, top_k 0 (off), top_p 1 (off); values in
+        `generation_config` apply where an argument is not given. eos/pad default to the target's
+        generation config, as in transformers.
+        """
+        settings = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
+                                  pad_token_id, generation_config)
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
+        stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0}
+        rows = self._start_rows(attention_mask, settings.max_new_tokens)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+
+        # 1. Prefill: the prompt, and the target's first token (the first root).
+        tic = time.perf_counter()
+        kv = KVState(input_ids.shape[0], input_ids.device, self.target.config)
+        step = self._prefill(kv, input_ids, attention_mask, settings, generator)
+        stats["verify_seconds"] += time.perf_counter() - tic
+        stats["target_forwards"] += 1
+        stats["row_forwards"] += input_ids.shape[0]
+        done = self._emit(rows, step.next_tokens[:, None], torch.ones_like(step.next_tokens), settings, streamer)
+        self.drafter.bind(self.target, settings.sampling, input_ids.shape[0])
+        self.drafter.observe(step)
+        self._drop_finished(kv, rows, done)
+
+        while len(rows.alive):
+            # 2. Draft a tree below each row's root, no deeper than the row may still emit.
+            tic = time.perf_counter()
+            budget = self._budget(rows)
+            tree = self.drafter.propose(budget).prune_deeper_than(budget)
+            stats["draft_seconds"] += time.perf_counter() - tic
+            # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV.
+            tic = time.perf_counter()
+            step, acc = self._verify(kv, tree, settings, generator)
+            stats["verify_seconds"] += time.perf_counter() - tic
+            stats["target_forwards"] += 1
+            stats["row_forwards"] += len(rows.alive)
+            # Emitted this step: the accepted drafts (the root was emitted last step), then the bonus.
+            emitted = torch.cat([step.tokens[:, 1:], step.next_tokens[:, None]], dim=1)
+            emitted.scatter_(1, (acc.length - 1)[:, None], step.next_tokens[:, None])
+            done = self._emit(rows, emitted, acc.length, settings, streamer)
+            rows.accepted.extend(acc.length.tolist())
+            # 6. The drafter learns what was committed.
+            tic = time.perf_counter()
+            self.drafter.observe(step)
+            stats["draft_seconds"] += time.perf_counter() - tic
+            self._drop_finished(kv, rows, done)
+
+        if streamer is not None:
+            streamer.end()
+        new_tokens = sum(len(o) for o in rows.out)
+        stats.update(new_tokens=new_tokens, accepted_lengths=rows.accepted,
+                                          # new tokens per (row, target forward): the bonus token counted, the prefill included
+                     mean_accepted_length=new_tokens / max(stats["row_forwards"], 1))
+        self.last_stats = stats
+        return self._assemble(input_ids, rows, settings.pad)
+
+    # ---------------------------------------------------------------- steps
+    def _prefill(self, kv, input_ids, attention_mask, settings, generator) -> TargetStep:
+        depth, ancestors, valid = prompt_tree(attention_mask)
+        out = forward_block(self.target, kv, depth, ancestors, valid, input_ids=input_ids,
+                            output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
+        kv.mark_valid(valid)
+        root = next_token(out.logits[:, -1], settings.sampling, generator)
+        return TargetStep(tokens=input_ids, valid=valid, positions=depth, next_tokens=root,
+                          hidden=self._features(out))
+
+    def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator):
+        depth, ancestors = tree.depth_and_ancestors()
+        start = kv.size
+        out = forward_block(self.target, kv, depth, ancestors, tree.valid, input_ids=tree.tokens,
+                            output_hidden_states=bool(self.drafter.feature_layers))
+        logits = out.logits
+        if settings.typical:
+            acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
+        elif settings.sampling.do_sample:
+            acc = accept_sampled(tree, logits, ancestors, settings.sampling, generator)
+        else:
+            acc = accept_greedy(tree, logits, ancestors, depth)
+        keep = acc.keep
+        kv.commit(start, acc.path, keep)
+        hidden = tuple(h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1])) for h in self._features(out))
+        step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
+                          positions=kv.pos[:, start:], hidden=hidden, next_tokens=acc.bonus)
+        return step, acc
+
+    def _features(self, out) -> tuple[torch.Tensor, ...]:
+        layers = self.drafter.feature_layers
+        return tuple(out.hidden_states[i] for i in layers) if layers else ()
+
+    # ---------------------------------------------------------------- bookkeeping
+    def _start_rows(self, attention_mask, max_new_tokens) -> _Rows:
+        max_len = _max_positions(self.target.config)
+        prompt_lens = attention_mask.sum(1).tolist()
+        limit = [min(max_new_tokens, max_len - n) if max_len else max_new_tokens for n in prompt_lens]
+        b = attention_mask.shape[0]
+        return _Rows(alive=torch.arange(b, device=attention_mask.device), limit=limit, out=[[] for _ in range(b)])
+
+    def _budget(self, rows: _Rows) -> torch.Tensor:
+        """Deepest draft depth per live row: drafts plus the bonus must fit the row's remaining tokens."""
+        left = [rows.limit[r] - len(rows.out[r]) - 1 for r in rows.alive.tolist()]
+        return torch.tensor(left, device=rows.alive.device).clamp(min=0)
+
+    def _emit(self, rows: _Rows, tokens, counts, settings, streamer) -> torch.Tensor:
+        """Append each live row's first `counts[b]` tokens; returns [B_alive] finished flags."""
+        tokens, counts = tokens.tolist(), counts.tolist()
+        done = []
+        for b, row in enumerate(rows.alive.tolist()):
+            before = len(rows.out[row])
+            done.append(rows.emit(row, tokens[b][:counts[b]], settings.eos))
+            if streamer is not None:
+                streamer.put(torch.tensor(rows.out[row][before:]))
+        return torch.tensor(done, dtype=torch.bool, device=rows.alive.device)
+
+    def _drop_finished(self, kv, rows: _Rows, done: torch.Tensor) -> None:
+        if not done.any():
+            return
+        keep = (~done).nonzero()[:, 0]
+        rows.alive = rows.alive[keep]
+        if len(keep):
+            kv.select_rows(keep)
+            self.drafter.select_rows(keep)
+
+    def _assemble(self, input_ids, rows: _Rows, pad: int) -> torch.Tensor:
+        width = max(len(o) for o in rows.out)
+        new = torch.full((len(rows.out), width), pad, dtype=input_ids.dtype, device=input_ids.device)
+        for b, toks in enumerate(rows.out):
+            new[b, :len(toks)] = torch.tensor(toks, dtype=input_ids.dtype)
+        return torch.cat([input_ids, new], dim=1)
+
+    # ---------------------------------------------------------------- input checks
+    def _settings(self, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                  generation_config) -> _Settings:
+        if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+            raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
+        gc = generation_config
+        if gc is not None:
+            unsupported = {k: v for k, v in (("num_beams", gc.num_beams), ("num_return_sequences",
+                           gc.num_return_sequences), ("repetition_penalty", gc.repetition_penalty))
+                           if v not in (None, 1, 1.0)}
+            if unsupported:
+                raise ValueError(f"generation_config sets {unsupported}; speculative decoding here supports "
+                                 "greedy and temperature/top-k/top-p sampling only")
+
+        def pick(value, name, default):
+            if value is not None:
+                return value
+            got = getattr(gc, name, None) if gc is not None else None
+            return default if got is None else got
+
+        sampling = SamplingParams(do_sample=bool(pick(do_sample, "do_sample", False)),
+                                  temperature=float(pick(temperature, "temperature", 1.0)),
+                                  top_k=int(pick(top_k, "top_k", 0)), top_p=float(pick(top_p, "top_p", 1.0)))
+        max_new = pick(max_new_tokens, "max_new_tokens", None)
+        if max_new is None:
+            raise ValueError("pass max_new_tokens (or a generation_config that sets it)")
+        if not isinstance(max_new, int) or max_new <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
+        base = self.target.generation_config
+        eos = pick(eos_token_id, "eos_token_id", base.eos_token_id)
+        eos_set = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        pad = pick(pad_token_id, "pad_token_id", base.pad_token_id)
+        if pad is None:
+            pad = min(eos_set) if eos_set else 0
+        return _Settings(sampling, max_new, eos_set, int(pad), self.typical_acceptance)
+
+    def _check_inputs(self, input_ids, attention_mask, streamer):
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
+            raise TypeError("input_ids must be a LongTensor of token ids, shape [batch, prompt_len]")
+        if input_ids.dim() == 1:
+            input_ids = input_ids[None]
+        if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
+            raise ValueError(f"input_ids must be [batch, prompt_len] with a non-empty prompt, got "
+                             f"{tuple(input_ids.shape)}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if attention_mask.shape != input_ids.shape:
+            raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
+                             f"{tuple(input_ids.shape)}")
+        attention_mask = attention_mask.to(input_ids.device).long()
+        lengths = attention_mask.sum(1)
+        if (lengths == 0).any():
+            raise ValueError("a prompt in the batch is empty (attention_mask all zero)")
+        if not (attention_mask[:, -1] == 1).all() or (attention_mask.diff(dim=1) < 0).any():
+            raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 per row); set "
+                             "tokenizer.padding_side = 'left'")
+        max_len = _max_positions(self.target.config)
+        if max_len and int(lengths.max()) >= max_len:
+            raise ValueError(f"prompt of {int(lengths.max())} tokens leaves no room in the target's context "
+                             f"of {max_len} positions")
+        if streamer is not None and input_ids.shape[0] != 1:
+            raise ValueError("streamer supports batch size 1 only")
+        vocab = self.target.config.get_text_config().vocab_size
+        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+            raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
+        return input_ids.to(self.target.device), attention_mask.to(self.target.device)
+
+
+def _max_positions(config) -> int | None:
+    text = config.get_text_config()
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(text, name, None)
+        if value:
+            return int(value)
+    return None

@@ -1,0 +1,127 @@
+"""Acceptance: which path of a verified tree the target keeps, and the target's own next token.
+
+Greedy keeps the deepest path whose every token is the target's argmax after its parent. Sampling is
+multi-draft rejection sampling (SpecInfer, Miao et al. 2024; EAGLE, Li et al. 2024): at a node with
+target distribution p, the children are tried in order; a child drawn from q is accepted with probability
+min(1, p(x)/q(x)), and on rejection p becomes normalize(max(0, p - q)) for the next sibling. Deterministic
+drafts (top-k, lookup) are the q = one-hot case: accept with p(x), else zero p(x) and renormalize. If
+every child is rejected, the bonus token is sampled from what is left of p. This keeps the output
+distribution exactly the target's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import SamplingParams, logits_to_probs
+from .tree import DraftTree
+
+
+@dataclass
+class Acceptance:
+    path: torch.Tensor  # [B, A] node indices of the kept path, root first; padded past `length`
+    length: torch.Tensor  # [B] nodes kept (>= 1: the root is always kept)
+    bonus: torch.Tensor  # [B] the target's next token after the path
+
+    @property
+    def keep(self) -> torch.Tensor:  # [B, A]
+        a = self.path.shape[1]
+        return torch.arange(a, device=self.path.device)[None, :] < self.length[:, None]
+
+
+def _path_to(nodes: torch.Tensor, ancestors: torch.Tensor) -> Acceptance:
+    """The root-to-`nodes[b]` paths as padded index tables (bonus left unset)."""
+    b, n = ancestors.shape[:2]
+    on_path = ancestors[torch.arange(b), nodes]  # [B, N]; parents precede children so index order = depth
+    length = on_path.sum(1)
+    order = torch.where(on_path, torch.arange(n, device=nodes.device), n).sort(1).values
+    width = int(length.max())
+    return Acceptance(path=order[:, :width].clamp(max=n - 1), length=length, bonus=nodes.new_zeros(b))
+
+
+def accept_greedy(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor):
+    # logits: [B, N, V]; ancestors: [B, N, N]; depth: [B, N]
+    target_next = logits.argmax(-1)  # [B, N]
+    parent_choice = target_next.gather(1, tree.parents.clamp(min=0))
+    match = (tree.tokens == parent_choice) & tree.valid
+    match[:, 0] = True
+    whole_path_matches = ~(ancestors & ~match[:, None, :]).any(-1)
+    best = torch.where(whole_path_matches, depth, -1).argmax(1)  # deepest; ties -> earliest node
+    acc = _path_to(best, ancestors)
+    acc.bonus = target_next.gather(1, best[:, None])[:, 0]
+    return acc
+
+
+def _children(tree: DraftTree, row: int) -> list[list[int]]:
+    parents = tree.parents[row].tolist()
+    valid = tree.valid[row].tolist()
+    kids: list[list[int]] = [[] for _ in parents]
+    for node, parent in enumerate(parents):
+        if parent >= 0 and valid[node]:
+            kids[parent].append(node)
+    return kids
+
+
+def accept_sampled(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tensor, params: SamplingParams,
+                   generator: torch.Generator | None = None) -> Acceptance:
+    """Lossless rejection sampling over the tree (see module docstring)."""
+    probs = logits_to_probs(logits, params)  # [B, N, V]
+    b = probs.shape[0]
+    ends, bonus = [], []
+    for row in range(b):
+        kids = _children(tree, row)
+        node = 0
+        while True:
+            p = probs[row, node].clone()
+            accepted = None
+            for child in kids[node]:
+                x = int(tree.tokens[row, child])
+                q = None if tree.q is None else tree.q[row, child]
+                qx = 1.0 if q is None else float(q[x])
+                u = torch.rand((), generator=generator, device=p.device)
+                if qx > 0 and u * qx <= p[x]:  # u < p(x)/q(x), written without dividing
+                    accepted = child
+                    break
+                residual = p.clone()
+                if q is None:
+                    residual[x] = 0
+                else:
+                    residual = (residual - q).clamp(min=0)
+                total = residual.sum()
+                if total > 0:  # == 0 only when p == q up to rounding: then rejection had probability 0
+                    p = residual / total
+            if accepted is None:
+                bonus.append(torch.multinomial(p, 1, generator=generator))
+                ends.append(node)
+                break
+            node = accepted
+    acc = _path_to(torch.tensor(ends, device=logits.device), ancestors)
+    acc.bonus = torch.cat(bonus)
+    return acc
+
+
+def accept_typical(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,
+                   params: SamplingParams, threshold: float = 0.09, alpha: float = 0.3,
+                   generator: torch.Generator | None = None) -> Acceptance:
+    """Medusa's typical acceptance (Cai et al. 2024, sec. 2.3.1). LOSSY: opt-in only.
+
+    A draft x is accepted when p(x) > min(threshold, alpha * exp(-H(p))) under the target's processed
+    distribution p at its parent; the deepest such path is kept and the bonus is sampled from p. Faster
+    than rejection sampling at high temperature, but the output no longer follows the target exactly.
+    """
+    probs = logits_to_probs(logits, params)  # [B, N, V]
+    entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, N]
+    cutoff = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
+    parents = tree.parents.clamp(min=0)
+    p_at_parent = probs.gather(1, parents[..., None].expand(-1, -1, probs.shape[-1]))  # [B, N, V]
+    p_x = p_at_parent.gather(2, tree.tokens[..., None])[..., 0]
+    match = (p_x > cutoff.gather(1, parents)) & tree.valid
+    match[:, 0] = True
+    whole_path_matches = ~(ancestors & ~match[:, None, :]).any(-1)
+    best = torch.where(whole_path_matches, depth, -1).argmax(1)
+    acc = _path_to(best, ancestors)
+    last = probs[torch.arange(probs.shape[0]), best]
+    acc.bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
+    return acc
