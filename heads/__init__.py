@@ -1,0 +1,87 @@
+"""Drafter kinds for self-speculative decoding: Medusa heads, EAGLE-1/2 and EAGLE-3 drafters.
+
+    import heads
+    drafter = heads.build("eagle", target.config)   # or heads.build("eagle", target) to init from weights
+    drafter.save_pretrained("out/eagle")            # config.json + model.safetensors + README.md
+    drafter = heads.load("out/eagle")               # or a hub id; dispatches on the saved model_type
+
+Each kind lives in its own folder (`config.py`, `model.py`) and is registered here with one `register` call.
+"""
+
+from __future__ import annotations
+
+from transformers import PretrainedConfig, PreTrainedModel
+
+from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
+from .eagle import EagleConfig, EagleModel
+from .eagle3 import Eagle3Config, Eagle3Model, build_vocab_map
+from .medusa import MedusaConfig, MedusaModel
+
+# kind -> (config class, model class)
+REGISTRY: dict[str, tuple[type[DrafterConfig], type[DrafterModel]]] = {}
+
+
+def register(kind: str, config_cls: type[DrafterConfig], model_cls: type[DrafterModel]) -> None:
+    if kind in REGISTRY:
+        raise ValueError(f"drafter kind {kind!r} is already registered ({REGISTRY[kind][1].__name__})")
+    if any(c.model_type == config_cls.model_type for c, _ in REGISTRY.values()):
+        raise ValueError(f"model_type {config_cls.model_type!r} is already registered under another kind")
+    REGISTRY[kind] = (config_cls, model_cls)
+
+
+register("medusa", MedusaConfig, MedusaModel)
+register("eagle", EagleConfig, EagleModel)
+register("eagle3", Eagle3Config, Eagle3Model)
+
+
+def build(kind: str, target: PretrainedConfig | PreTrainedModel, *, tokenizer=None, **options) -> DrafterModel:
+    """A fresh drafter of `kind` for a target given by its config or, better, the model itself.
+
+    With the model, the drafter is also attached to it and initialised from its weights where the kind
+    starts from them (Medusa's own projections, EAGLE-3's lm_head rows). `options` are config fields of the
+    kind (e.g. `num_heads=5`, `tree={"top_k": 4}`); unknown ones are an error.
+    """
+    if kind not in REGISTRY:
+        raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(REGISTRY)}")
+    config_cls, model_cls = REGISTRY[kind]
+    known = set(config_cls.__dataclass_fields__)
+    unknown = set(options) - known
+    if unknown:
+        raise ValueError(f"unknown {kind} options {sorted(unknown)}; known: {sorted(known - _BASE_ONLY)}")
+    fields = config_cls.target_fields(target)
+    if tokenizer is not None:
+        fields["tokenizer_fingerprint"] = tokenizer_fingerprint(tokenizer)
+    config = config_cls.for_target(text_config(target), **{**fields, **options})
+    model = model_cls(config)
+    if isinstance(target, PreTrainedModel):
+        model.attach(target, tokenizer)
+        model.init_from_target(target)
+        model.to(device=target.device)
+    return model.eval()
+
+
+# PretrainedConfig bookkeeping fields not worth listing in error messages.
+_BASE_ONLY = set(PretrainedConfig.__dataclass_fields__)
+
+
+def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
+    """Load a saved drafter of any kind from a folder or hub id (safetensors only)."""
+    config_dict, _ = PretrainedConfig.get_config_dict(path_or_hub_id, **hf_kwargs)
+    model_type = config_dict.get("model_type")
+    for _, model_cls in REGISTRY.values():
+        if model_cls.config_class.model_type == model_type:
+            return model_cls.from_pretrained(path_or_hub_id, **hf_kwargs)
+    hint = ""
+    if "speculators_model_type" in config_dict:
+        hint = " It is a speculators checkpoint: use heads.export.import_speculators(folder)."
+    elif model_type == "medusa":
+        hint = " It is a vLLM Medusa checkpoint: use heads.export.import_medusa_vllm(folder)."
+    known = sorted(m.config_class.model_type for _, m in REGISTRY.values())
+    raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}, not a selfspec drafter ({known}).{hint}")
+
+
+__all__ = [
+    "REGISTRY", "register", "build", "load", "tokenizer_fingerprint", "build_vocab_map",
+    "DrafterConfig", "DrafterModel", "MedusaConfig", "MedusaModel", "EagleConfig", "EagleModel",
+    "Eagle3Config", "Eagle3Model",
+]

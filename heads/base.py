@@ -1,0 +1,290 @@
+"""What every drafter kind shares: its config (which target it was built for), target checks, binding to the
+frozen target, and safe save/load.
+
+A drafter is a small `PreTrainedModel` of its own. It reuses the target's frozen input embeddings and
+lm_head through `attach(target)`, which binds them by reference without registering them as submodules, so
+`save_pretrained` writes the drafter's own weights only (as peft saves an adapter without its base model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+
+import torch
+from safetensors import SafetensorError, safe_open
+from transformers import PretrainedConfig, PreTrainedModel
+from transformers.utils import cached_file
+
+from infer.drafting import Drafter
+
+from .card import write_model_card
+
+WEIGHTS_NAME = "model.safetensors"
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """A short sha256 over the tokenizer's vocabulary (token, id pairs) and its special tokens.
+
+    Two tokenizers with the same fingerprint map text to the same ids, which is what a drafter trained on one
+    target needs from another.
+    """
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda item: (item[1], item[0]))
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    payload = json.dumps({"vocab": vocab, "special": special}, ensure_ascii=False, separators=(",", ":"))
+    return hashlib.sha256(payload.encode("utf-8")).hexdigest()[:16]
+
+
+def text_config(target) -> PretrainedConfig:
+    """The text-model config of a target given as a model or a config (multimodal configs nest it)."""
+    config = target.config if isinstance(target, PreTrainedModel) else target
+    if not isinstance(config, PretrainedConfig):
+        raise TypeError(f"expected a transformers model or config for the target, got {type(target).__name__}")
+    return config.get_text_config()
+
+
+class DrafterConfig(PretrainedConfig):
+    """Fields every drafter kind records about the target it serves, its drafting tree and its provenance."""
+
+    model_type = "selfspec_drafter"
+
+    base_model_name_or_path: str | None = None  # the target's hub id or path, for the model card and loading
+    target_model_type: str | None = None  # e.g. "llama"; the drafter's decoder layer (EAGLE) follows it
+    target_hidden_size: int | None = None
+    target_vocab_size: int | None = None
+    target_num_layers: int | None = None
+    tokenizer_fingerprint: str | None = None  # `tokenizer_fingerprint(tokenizer)` of the target, when known
+    tree: dict | None = None  # drafting settings (kind-specific; see each kind's `TREE_DEFAULTS`)
+    training: dict | None = None  # provenance for the model card: data, steps, ...
+    metrics: dict | None = None  # measured results for the model card: mean accepted length, speedup, ...
+
+    # Each kind lists its tree settings and their defaults; unknown keys are an error.
+    TREE_DEFAULTS = {}
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        self.tree = self.resolve_tree(self.tree)
+
+    def resolve_tree(self, tree: dict | None) -> dict:
+        tree = dict(tree or {})
+        unknown = set(tree) - set(self.TREE_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown tree settings {sorted(unknown)} for {self.model_type}; "
+                             f"known settings: {sorted(self.TREE_DEFAULTS)}")
+        return {**self.TREE_DEFAULTS, **tree}
+
+    @classmethod
+    def for_target(cls, target_config: PretrainedConfig, **fields) -> DrafterConfig:
+        """A config for the target with text config `target_config`; kinds derive target-dependent defaults
+        here (e.g. EAGLE's decoder-layer config). `fields` are config fields, target_* ones included."""
+        return cls(**fields)
+
+    @classmethod
+    def target_fields(cls, target) -> dict:
+        """The `target_*` fields read from a target model or config."""
+        config = text_config(target)
+        name = getattr(config, "_name_or_path", "") or None
+        if isinstance(target, PreTrainedModel):
+            name = getattr(target, "name_or_path", None) or name
+        return dict(base_model_name_or_path=name, target_model_type=config.model_type,
+                    target_hidden_size=config.hidden_size, target_vocab_size=config.vocab_size,
+                    target_num_layers=config.num_hidden_layers)
+
+
+class DrafterModel(PreTrainedModel):
+    """Base class of every drafter kind. Subclasses define `forward`, `feature_layers` and `as_drafter`."""
+
+    config_class = DrafterConfig
+    base_model_prefix = "drafter"
+    _supports_sdpa = True
+    kind: str = ""  # registry key, set by each kind
+
+    def __init__(self, config: DrafterConfig):
+        super().__init__(config)
+        # Frozen target parts bound by `attach`. A plain dict, so they are never submodules: never saved,
+        # never in `parameters()`, never moved by `.to()`.
+        self._target = {}
+
+    # ---- the target -------------------------------------------------------------------------------------
+
+    def check_target(self, target, tokenizer=None) -> None:
+        """Raise ValueError naming every way `target` (a model or config) differs from what this drafter
+        was built for."""
+        config = text_config(target)
+        c = self.config
+        problems = []
+        for field, expected, actual in [
+            ("model_type", c.target_model_type, config.model_type),
+            ("hidden size", c.target_hidden_size, config.hidden_size),
+            ("vocab size", c.target_vocab_size, config.vocab_size),
+            ("layer count", c.target_num_layers, config.num_hidden_layers),
+        ]:
+            if expected is not None and expected != actual:
+                problems.append(f"{field}: drafter built for {expected!r}, target has {actual!r}")
+        if tokenizer is not None and c.tokenizer_fingerprint is not None:
+            actual = tokenizer_fingerprint(tokenizer)
+            if actual != c.tokenizer_fingerprint:
+                problems.append(f"tokenizer fingerprint: drafter trained with {c.tokenizer_fingerprint}, "
+                                f"tokenizer gives {actual}")
+        if problems:
+            raise ValueError(
+                f"this {self.kind} drafter does not fit the target "
+                f"({c.base_model_name_or_path or 'unknown base'}):\n  - " + "\n  - ".join(problems)
+                + "\nUse the target the drafter was trained for, or build/train a new drafter for this target "
+                "(heads.build(kind, target.config))."
+            )
+
+    def attach(self, target, tokenizer=None) -> DrafterModel:
+        """Validate `target`, then bind its frozen input embeddings and lm_head by reference (not saved)."""
+        if not isinstance(target, PreTrainedModel):
+            raise TypeError(f"attach() needs the target model itself, got {type(target).__name__}")
+        self.check_target(target, tokenizer)
+        embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
+        if embed is None or lm_head is None:
+            raise ValueError(f"{type(target).__name__} exposes no input embeddings or lm_head; a drafter needs "
+                             "a causal LM (AutoModelForCausalLM)")
+        softcap = getattr(text_config(target), "final_logit_softcapping", None)
+        self._target.update(embed=embed, lm_head=lm_head, softcap=softcap, model_id=id(target))
+        return self
+
+    def attached_to(self, target) -> bool:
+        return self._target.get("model_id") == id(target)
+
+    def _require_target(self, what: str) -> dict:
+        if not self._target:
+            raise RuntimeError(f"{what} uses the target's frozen embeddings/lm_head: call drafter.attach(target) "
+                               "first")
+        return self._target
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The target's own input embedding (Gemma's scaled embedding modules include their sqrt(D) scale)."""
+        return self._require_target("embedding tokens")["embed"](input_ids)
+
+    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head, with its final logit soft-capping when it has one (Gemma 2)."""
+        t = self._require_target("the target lm_head")
+        logits = t["lm_head"](hidden)
+        if t["softcap"]:
+            logits = torch.tanh(logits / t["softcap"]) * t["softcap"]
+        return logits
+
+    # ---- what kinds implement ---------------------------------------------------------------------------
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Indices into the target's `output_hidden_states` tuple this drafter reads (0 = embeddings,
+        L = last layer after the final norm)."""
+        raise NotImplementedError
+
+    def as_drafter(self, **tree_overrides):
+        """This kind's `infer.drafting.Drafter`, with tree settings from the config unless overridden."""
+        raise NotImplementedError
+
+    def init_from_target(self, target) -> None:
+        """Initialise own weights from the target's (e.g. a copy of its lm_head). Called by `heads.build`."""
+
+    def _init_weights(self, module):
+        # Only plain Linear/Embedding layers get the generic init; norms keep what their own constructor set
+        # (RMSNorms are 1-centred in Llama and 0-centred in Gemma; only the class knows).
+        if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
+            super()._init_weights(module)
+        elif module is getattr(self, "rotary_emb", None):
+            # Rotary tables are non-persistent buffers: `from_pretrained` leaves them unset, so rebuild
+            # them with the class's own constructor.
+            with torch.device("cpu"):
+                fresh = type(module)(module.config)
+            for name, buffer in fresh.named_buffers(recurse=False):
+                getattr(module, name).copy_(buffer)
+
+    # ---- saving and loading -----------------------------------------------------------------------------
+
+    def save_pretrained(self, save_directory, **kwargs):
+        """config.json + model.safetensors (own weights only) + a generated README.md model card."""
+        if kwargs.get("safe_serialization") is False:
+            raise ValueError("drafters are saved as safetensors only; drop safe_serialization=False")
+        kwargs.pop("safe_serialization", None)
+        super().save_pretrained(save_directory, **kwargs)
+        write_model_card(save_directory, self.config, kind=self.kind)
+
+    def push_to_hub(self, repo_id: str, **kwargs) -> str:
+        """Save (with the generated model card) to a temporary folder and upload it; see `heads.hub.push`."""
+        from .hub import push
+
+        with tempfile.TemporaryDirectory() as folder:
+            self.save_pretrained(folder)
+            return push(folder, repo_id, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *model_args, **kwargs):
+        """Load from a folder or hub id (offline from the hub cache with HF_HUB_OFFLINE=1).
+
+        safetensors only (no pickle); missing, unexpected or mismatched keys are an error, never ignored.
+        """
+        if kwargs.get("use_safetensors") is False:
+            raise ValueError("drafters load from safetensors only; drop use_safetensors=False")
+        want_info = kwargs.pop("output_loading_info", False)
+        hub_kwargs = {k: kwargs[k] for k in ("cache_dir", "force_download", "local_files_only", "token",
+                                             "revision", "subfolder") if k in kwargs}
+        check_weights_file(pretrained_model_name_or_path, **hub_kwargs)
+        kwargs["use_safetensors"] = True
+        model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
+                                              output_loading_info=True, **kwargs)
+        problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+                    if info.get(k)}
+        if problems:
+            raise ValueError(f"{pretrained_model_name_or_path} does not match a {cls.__name__} built from its "
+                             f"config.json: {problems}. The weights were saved by another kind or version of "
+                             "the drafter, or edited; re-save them with the matching heads kind.")
+        return (model, info) if want_info else model
+
+
+def check_weights_file(path_or_id, **hub_kwargs) -> str:
+    """Resolve the drafter's `model.safetensors` and read its header; raise a clear error otherwise."""
+    try:
+        weights = cached_file(path_or_id, WEIGHTS_NAME, _raise_exceptions_for_missing_entries=False,
+                              **hub_kwargs)
+    except OSError as err:
+        raise OSError(f"cannot resolve {WEIGHTS_NAME} for drafter {path_or_id!r}: {err}") from err
+    if weights is None:
+        pickled = [n for n in ("pytorch_model.bin", "model.bin", "pytorch_model.bin.index.json")
+                   if os.path.isdir(path_or_id) and os.path.exists(os.path.join(path_or_id, n))]
+        if pickled:
+            raise ValueError(f"{path_or_id} holds only pickled weights ({', '.join(pickled)}); drafters load "
+                             f"safetensors only. Convert it: load it yourself and save_pretrained() it.")
+        raise OSError(f"no {WEIGHTS_NAME} found for drafter {path_or_id!r}")
+    try:
+        with safe_open(weights, framework="pt") as f:
+            for key in f.keys():
+                f.get_slice(key)  # touches the header entry of every tensor
+        size = os.path.getsize(weights)
+        with open(weights, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(header_len))
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + header_len + end != size:
+            raise SafetensorError(f"file is {size} bytes, header describes {8 + header_len + end}")
+    except (SafetensorError, ValueError, KeyError, OSError) as err:
+        raise ValueError(f"corrupt or truncated safetensors file {weights}: {err}. Re-save or re-download "
+                         "the drafter.") from err
+    return weights
+
+
+class HeadDrafter(Drafter):
+    """What every kind's drafting adapter shares: the drafter model, target checks and binding."""
+
+    def __init__(self, model: DrafterModel):
+        self.model = model
+        self.feature_layers = model.feature_layers
+
+    def check_target(self, target) -> None:
+        self.model.check_target(target)
+
+    def bind(self, target, sampling, batch_size: int) -> None:
+        """Attach the model to `target` (if not already), on the target's device and dtype, in eval mode."""
+        super().bind(target, sampling, batch_size)
+        if not self.model.attached_to(target):
+            self.model.attach(target)
+        ref = target.get_input_embeddings().weight
+        self.model.to(device=ref.device, dtype=ref.dtype).eval()

@@ -1,0 +1,55 @@
+"""The README.md model card written next to every saved drafter."""
+
+from __future__ import annotations
+
+import json
+import os
+
+KIND_TITLES = {
+    "medusa": "Medusa-1 heads",
+    "eagle": "EAGLE-1/2 drafter",
+    "eagle3": "EAGLE-3 drafter",
+}
+
+
+def write_model_card(folder, config, kind: str) -> str:
+    """Write `folder/README.md` from the drafter's config: base model, kind, training data, metrics."""
+    base = config.base_model_name_or_path
+    front = ["---", "library_name: selfspec", "pipeline_tag: text-generation",
+             "tags:", "- speculative-decoding", f"- {kind}"]
+    if base and not os.path.isabs(base) and not os.path.exists(base):
+        front.append(f"base_model: {base}")
+    if config.training and config.training.get("data"):
+        data = config.training["data"]
+        front += ["datasets:"] + [f"- {d}" for d in ([data] if isinstance(data, str) else data)]
+    front.append("---")
+
+    title = KIND_TITLES.get(kind, kind)
+    lines = [f"# {title} for {base or 'an unnamed target'}", "",
+             f"A {title} for self-speculative decoding with [selfspec]. It drafts tokens that the target "
+             "model then verifies, so generation is unchanged (greedy output is token-identical).", "",
+             "## Target", "",
+             f"- base model: `{base or 'unknown'}`",
+             f"- model type: `{config.target_model_type}`, hidden size {config.target_hidden_size}, "
+             f"vocab size {config.target_vocab_size}, {config.target_num_layers} layers",
+             f"- tokenizer fingerprint: `{config.tokenizer_fingerprint or 'not recorded'}`", "",
+             "## Drafting", "", "```json", json.dumps(config.tree, indent=2, default=list), "```", "",
+             "## Training", ""]
+    if config.training:
+        lines += [f"- {k}: {v}" for k, v in config.training.items()]
+    else:
+        lines.append("Not trained yet (freshly initialised heads).")
+    lines += ["", "## Measured", ""]
+    if config.metrics:
+        lines += [f"- {k}: {v}" for k, v in config.metrics.items()]
+    else:
+        lines.append("No measurements recorded.")
+    lines += ["", "## Use", "", "```python", "import heads",
+              "from infer.engine import SelfSpecModel", "",
+              "drafter = heads.load(\"<this repo or folder>\")",
+              f"model = SelfSpecModel(target, drafter)  # target: {base or 'the base model'}",
+              "```", ""]
+    path = os.path.join(folder, "README.md")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(front + [""] + lines))
+    return path

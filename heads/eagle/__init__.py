@@ -1,0 +1,4 @@
+from .config import EagleConfig
+from .model import EagleModel
+
+__all__ = ["EagleConfig", "EagleModel"]

@@ -1,0 +1,52 @@
+"""EAGLE-1/2 (Li et al., 2024, arXiv:2401.15077 and arXiv:2406.16858): one decoder layer of the target's
+own architecture over [embedding of token t+1, target feature at t]. EAGLE-1 and EAGLE-2 share the module;
+only the tree differs (static paths vs. the dynamic, confidence-ranked tree)."""
+
+from __future__ import annotations
+
+from ..base import DrafterConfig
+from ..layers import default_attn_implementation, layer_config_dict
+from ..trees import eagle_static_default_paths
+
+# Tree settings shared by EAGLE and EAGLE-3. The EAGLE-2 reference setup drafts on the order of 60 tokens
+# with depth 5-6 and top-10 expansion for 7B-13B targets; we default a little smaller (cheaper to verify
+# on modest hardware): expand the 8 best nodes per depth, 6 deep, keep the 48 best drafted nodes.
+EAGLE_TREE_DEFAULTS = {
+    "mode": "dynamic",  # "dynamic" (EAGLE-2) or "static" (EAGLE-1: fixed `paths` of sibling ranks)
+    "depth": 6,  # dynamic: drafting steps (tree depth below the root)
+    "top_k": 8,  # dynamic: children per expanded node, and nodes expanded per depth
+    "total_tokens": 48,  # dynamic: drafted nodes kept after reranking (the root not counted)
+    "paths": None,  # static: paths of ranks; None = `eagle_static_default_paths()`
+}
+
+
+def resolve_eagle_tree(tree: dict) -> dict:
+    if tree["mode"] not in ("dynamic", "static"):
+        raise ValueError(f"EAGLE tree mode must be 'dynamic' or 'static', got {tree['mode']!r}")
+    for name in ("depth", "top_k", "total_tokens"):
+        if not isinstance(tree[name], int) or tree[name] < 1:
+            raise ValueError(f"EAGLE tree {name} must be an int >= 1, got {tree[name]!r}")
+    if tree["mode"] == "static" and tree["paths"] is None:
+        tree["paths"] = eagle_static_default_paths()
+    if tree["paths"] is not None:
+        tree["paths"] = [list(p) for p in tree["paths"]]
+    return tree
+
+
+class EagleConfig(DrafterConfig):
+    model_type = "selfspec_eagle"
+
+    layer_config: dict | None = None  # one-layer, full-attention copy of the target's config (with model_type)
+    attn_implementation: str | None = None  # of the drafter layer: "sdpa" or "eager" (None = per architecture)
+    fc_bias: bool = True  # the fc over [embedding, feature]
+
+    TREE_DEFAULTS = EAGLE_TREE_DEFAULTS
+
+    def resolve_tree(self, tree: dict | None) -> dict:
+        return resolve_eagle_tree(super().resolve_tree(tree))
+
+    @classmethod
+    def for_target(cls, target_config, **fields) -> EagleConfig:
+        fields.setdefault("layer_config", layer_config_dict(target_config))
+        fields.setdefault("attn_implementation", default_attn_implementation(target_config.model_type))
+        return cls(**fields)

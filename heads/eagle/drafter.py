@@ -1,0 +1,173 @@
+"""Drafting with an EAGLE-style drafter (EAGLE-1/2 and EAGLE-3 share it).
+
+The drafter keeps its own KV cache (`infer.kv.KVState`, full attention). Slot t holds the drafter's pass
+over the pair (token x_{t+1}, feature f_t) at position t:
+
+- `observe` runs the pairs the target just committed (the prompt, or root + accepted drafts, each with the
+  token that follows it) and commits them; the output at the last slot predicts the root's children.
+- `propose` grows a tree below the root one depth at a time. A drafted node's input is (its token, its
+  parent's output hidden state), placed at position `length + depth - 1`, attending to the committed cache
+  and to its drafted ancestors only. Dynamic mode (EAGLE-2) expands, at every depth, the `top_k` nodes with
+  the highest cumulative draft log-probability, `top_k` children each, then keeps the `total_tokens` best
+  nodes overall; static mode (EAGLE-1) expands fixed paths of ranks. Drafted slots are rolled back after.
+
+Drafts are deterministic (top-k), so siblings are distinct and `DraftTree.q` is None.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from infer.kv import KVState, prompt_tree
+from infer.tree import DraftTree, tree_from_paths
+
+from ..base import HeadDrafter
+
+
+class StaticLevels:
+    """A static tree of paths, cut into depths: which frontier node each child hangs from, at which rank,
+    and which children are expanded further."""
+
+    def __init__(self, paths: list[tuple[int, ...]]):
+        parents, ranks = tree_from_paths([tuple(p) for p in paths])
+        parents, ranks = parents.tolist(), ranks.tolist()
+        depth = [0]
+        for p in parents[1:]:
+            depth.append(depth[p] + 1)
+        self.depth = max(depth)
+        has_children = set(parents[1:])
+        frontier = [0]  # node ids expanded at the previous depth, in order
+        self.parent_pos, self.ranks, self.expand = {}, {}, {}
+        for d in range(1, self.depth + 1):
+            level = [i for i in range(len(parents)) if depth[i] == d]
+            self.parent_pos[d] = torch.tensor([frontier.index(parents[i]) for i in level])
+            self.ranks[d] = torch.tensor([ranks[i] for i in level])
+            self.expand[d] = torch.tensor([j for j, i in enumerate(level) if i in has_children], dtype=torch.long)
+            frontier = [i for i in level if i in has_children]
+
+
+class EagleDrafter(HeadDrafter):
+    def __init__(self, model, tree: dict):
+        super().__init__(model)
+        self.tree = tree
+        self.static = StaticLevels(tree["paths"]) if tree["mode"] == "static" else None
+        self.max_depth = self.static.depth if self.static else tree["depth"]
+        self.kv = self.root = self.last_hidden = self.last_logits = None
+
+    def bind(self, target, sampling, batch_size: int) -> None:
+        super().bind(target, sampling, batch_size)
+        self.kv = KVState(batch_size, target.get_input_embeddings().weight.device, config=None)
+        self.root = self.last_hidden = self.last_logits = None
+
+    @torch.no_grad()
+    def observe(self, step) -> None:
+        # step.tokens, step.valid: [B, A]; step.hidden: one [B, A, D] per feature layer
+        features = self.model.fuse_features(step.hidden)
+        depth, ancestors, valid = prompt_tree(step.valid)  # one causal block over the valid slots
+        start = self.kv.size
+        position_ids, cache_position, mask = self.kv.tree_inputs(depth, ancestors, valid, self.model.dtype)
+        hidden, logits = self.model(step.following_tokens(), features, attention_mask=mask,
+                                    position_ids=position_ids, past_key_values=self.kv.cache,
+                                    cache_position=cache_position)
+        self.kv.appended(position_ids, valid)
+        slots = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
+        self.kv.commit(start, slots, valid)
+        last = step.last_valid_index().clamp(min=0)
+        rows = torch.arange(last.shape[0], device=last.device)
+        self.last_hidden, self.last_logits = hidden[rows, last], logits[rows, last]  # [B, D], [B, V']
+        self.root = step.next_tokens
+
+    @torch.no_grad()
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        # budget: [B]
+        b = self.root.shape[0]
+        max_depth = min(self.max_depth, int(budget.max()))
+        tokens, parents = [self.root[:, None]], [torch.full_like(self.root[:, None], -1)]
+        scores = [torch.zeros(b, 1, device=self.root.device)]
+        # The frontier: nodes whose children are drafted next, with the drafter's output at each.
+        f_node = torch.zeros_like(self.root[:, None])  # [B, F] node ids
+        f_score = scores[0]  # [B, F] cumulative draft log-prob
+        f_logp = torch.log_softmax(self.last_logits.float(), -1)[:, None]  # [B, F, V']
+        f_hidden = self.last_hidden[:, None]  # [B, F, D]
+        f_slot = None  # [B, F] cache slot of each frontier node (the root has none)
+        # [B, F, d-1] cache slots of each frontier node's drafted ancestors
+        f_anc = torch.zeros(b, 1, 0, dtype=torch.long, device=self.root.device)
+        num_nodes, committed = 1, self.kv.size
+        for d in range(1, max_depth + 1):
+            c_tok, c_logp, c_from = self._children(d, f_logp)  # [B, C]: draft ids, log-probs, frontier index
+            c_score = f_score.gather(1, c_from) + c_logp
+            tokens.append(self.model.draft_to_target(c_tok))
+            parents.append(f_node.gather(1, c_from))
+            scores.append(c_score)
+            first, num_nodes = num_nodes, num_nodes + c_tok.shape[1]
+            if d == max_depth:
+                break
+            pick = self._next_frontier(d, c_score)  # [B, F'] indices into this depth's children
+            p_from = c_from.gather(1, pick)
+            anc = f_anc.gather(1, p_from[..., None].expand(-1, -1, f_anc.shape[2]))
+            if f_slot is not None:
+                anc = torch.cat([anc, f_slot.gather(1, p_from)[..., None]], dim=2)
+            hidden_in = f_hidden.gather(1, p_from[..., None].expand(-1, -1, f_hidden.shape[2]))
+            f_slot = self.kv.size + torch.arange(pick.shape[1], device=pick.device).expand_as(pick)
+            f_hidden, logits = self._draft_step(tokens[-1].gather(1, pick), hidden_in, d, anc)
+            f_node, f_score, f_anc = first + pick, c_score.gather(1, pick), anc
+            f_logp = torch.log_softmax(logits.float(), -1)
+        self.kv.rollback(committed)
+        tree = self._select(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1))
+        return tree.prune_deeper_than(budget)
+
+    def _children(self, d: int, f_logp: torch.Tensor):
+        """Candidate children of every frontier node: (draft ids, their log-probs, frontier index), [B, C]."""
+        b, f, v = f_logp.shape
+        if self.static is None:
+            k = min(self.tree["top_k"], v)
+            top = f_logp.topk(k, dim=-1)  # [B, F, k]
+            c_from = torch.arange(f, device=f_logp.device).repeat_interleave(k).expand(b, f * k)
+            return top.indices.flatten(1), top.values.flatten(1), c_from
+        pos, ranks = self.static.parent_pos[d].to(f_logp.device), self.static.ranks[d].to(f_logp.device)
+        top = f_logp.topk(min(int(ranks.max()) + 1, v), dim=-1)  # [B, F, R]
+        ranks = ranks.clamp(max=top.indices.shape[2] - 1)
+        return top.indices[:, pos, ranks], top.values[:, pos, ranks], pos.expand(b, -1)
+
+    def _next_frontier(self, d: int, c_score: torch.Tensor) -> torch.Tensor:
+        if self.static is None:
+            return c_score.topk(min(self.tree["top_k"], c_score.shape[1]), dim=1).indices
+        return self.static.expand[d].to(c_score.device).expand(c_score.shape[0], -1)
+
+    def _draft_step(self, tokens, hidden, d: int, ancestors):
+        """Run the drafter on frontier nodes at depth d; they see the committed cache and their ancestors."""
+        # tokens: [B, F] target ids; hidden: [B, F, D] parents' outputs; ancestors: [B, F, d-1] cache slots
+        kv, (b, f) = self.kv, tokens.shape
+        query_pos = (kv.length[:, None] + d - 1).expand(b, f)
+        attend = torch.zeros(b, f, kv.size + f, dtype=torch.bool, device=tokens.device)
+        attend[:, :, : kv.size] = kv.valid[:, None, :]
+        attend.scatter_(2, ancestors, True)
+        cache_position = torch.arange(kv.size, kv.size + f, device=tokens.device)
+        out = self.model(tokens, hidden, attention_mask=kv.mask(query_pos, attend, self.model.dtype),
+                         position_ids=query_pos, past_key_values=kv.cache, cache_position=cache_position)
+        kv.appended(query_pos, torch.zeros_like(tokens, dtype=torch.bool))
+        return out
+
+    def _select(self, tokens, parents, scores) -> DraftTree:
+        """Static: every node. Dynamic: the root and the `total_tokens` best nodes by cumulative log-prob.
+
+        A child never scores above its parent and comes after it, so a stable descending sort ranks parents
+        first and the kept set is ancestor-closed. Kept nodes stay in creation (depth) order."""
+        # tokens, parents, scores: [B, M]
+        b, m = tokens.shape
+        valid = torch.ones(b, m, dtype=torch.bool, device=tokens.device)
+        if self.static is not None or m - 1 <= self.tree["total_tokens"]:
+            return DraftTree(tokens, parents, valid)
+        best = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, : self.tree["total_tokens"]]
+        nodes = torch.cat([torch.zeros_like(best[:, :1]), (best + 1).sort(dim=1).values], dim=1)  # [B, n]
+        new_id = torch.full_like(tokens, -1)
+        new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes))
+        old_parent = parents.gather(1, nodes)
+        new_parent = torch.where(old_parent >= 0, new_id.gather(1, old_parent.clamp(min=0)), -1)
+        assert (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
+        return DraftTree(tokens.gather(1, nodes), new_parent, valid[:, : nodes.shape[1]])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.kv.select_rows(rows)
+        self.root, self.last_hidden, self.last_logits = self.root[rows], self.last_hidden[rows], \
+            self.last_logits[rows]

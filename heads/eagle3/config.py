@@ -1,0 +1,57 @@
+"""EAGLE-3 (Li et al., 2025, arXiv:2503.01840): fuses low, middle and high target features, predicts tokens
+directly over a reduced draft vocabulary, and is trained with training-time test (it feeds itself)."""
+
+from __future__ import annotations
+
+from ..eagle.config import EagleConfig
+from ..layers import meta_layer, widen_problem
+
+INPUT_MODES = ("widen", "project")
+
+
+def default_feature_layers(num_layers: int) -> list[int]:
+    """(2, L//2, L-3) as indices into HF's hidden_states tuple (0 = embeddings): the auxiliary layers vLLM
+    captures for EAGLE-3 by default, which are the hidden states entering those layers. Clamped for tiny L."""
+    return [min(max(i, 0), num_layers) for i in (2, num_layers // 2, num_layers - 3)]
+
+
+class Eagle3Config(EagleConfig):
+    model_type = "selfspec_eagle3"
+
+    feature_layers: list[int] | None = None  # None = default_feature_layers(target_num_layers)
+    draft_vocab_size: int | None = None  # None = min(32000, target vocab size)
+    # How [norm(embedding), norm(hidden)] (2D wide) enters the layer. "widen": the paper/speculators layout,
+    # q/k/v take 2D inputs (Llama-layout layers only). "project": a Linear 2D -> D, then the standard layer
+    # (any architecture; not exportable to speculators). "auto" = widen where possible.
+    input_mode: str = "auto"
+    norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden (speculators' flag)
+    fc_bias: bool = False
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        n_layers, vocab = self.target_num_layers, self.target_vocab_size
+        if self.feature_layers is None and n_layers is not None:
+            self.feature_layers = default_feature_layers(n_layers)
+        if self.feature_layers is not None:
+            self.feature_layers = [int(i) for i in self.feature_layers]
+            bad = [i for i in self.feature_layers if n_layers is not None and not 0 <= i <= n_layers]
+            if not self.feature_layers or bad:
+                raise ValueError(f"EAGLE-3 feature_layers {self.feature_layers} must be non-empty indices into "
+                                 f"the target's hidden_states tuple, 0..{n_layers}")
+        if self.draft_vocab_size is None and vocab is not None:
+            self.draft_vocab_size = min(32000, vocab)
+        if self.draft_vocab_size is not None and vocab is not None and not 0 < self.draft_vocab_size <= vocab:
+            raise ValueError(f"EAGLE-3 draft_vocab_size must be in 1..{vocab} (the target vocab), "
+                             f"got {self.draft_vocab_size}")
+        if self.input_mode not in (*INPUT_MODES, "auto"):
+            raise ValueError(f"EAGLE-3 input_mode must be one of {INPUT_MODES} or 'auto', got {self.input_mode!r}")
+        if self.layer_config is not None:
+            self._resolve_input_mode()
+
+    def _resolve_input_mode(self) -> None:
+        problem = widen_problem(meta_layer(self.layer_config, self.attn_implementation or "eager"))
+        if self.input_mode == "auto":
+            self.input_mode = "project" if problem else "widen"
+        elif self.input_mode == "widen" and problem:
+            raise ValueError(f"EAGLE-3 input_mode='widen' needs a Llama-layout layer: {problem}. "
+                             "Use input_mode='project' for this architecture.")

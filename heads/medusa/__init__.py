@@ -1,0 +1,4 @@
+from .config import MedusaConfig
+from .model import MedusaModel
+
+__all__ = ["MedusaConfig", "MedusaModel"]
