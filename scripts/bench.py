@@ -1,0 +1,424 @@
+"""Benchmark speculative decoding against transformers' own greedy and prompt-lookup decoding.
+
+For every question (MT-bench / Spec-Bench jsonl: `question_id`, `category`, `turns`) the prompt is rendered
+with the target's chat template and generated at batch 1, greedy, by each method in turn, interleaved per
+question so that every method sees the same machine state:
+
+    baseline   target.generate(do_sample=False)                       -- transformers greedy
+    pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
+    <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
+
+Per category it reports the mean accepted length tau (new tokens per target forward, the prefill forward
+included; greedy is 1.0 by definition), tokens/s, and speedups over both transformers methods, from the
+median time over `--repeats`. Every greedy output must equal the baseline's token for token; mismatches are
+printed loudly, and `--strict` turns them into a nonzero exit.
+
+    python scripts/bench.py --target smollm2-135m-instruct --questions ../shared/data/mt_bench.jsonl \\
+        --drafter ngram --drafter runs/demo/drafter --out runs/bench/mt_bench
+
+Writes `results.json`, `results.md`, `speedup.png` and `accepted_lengths.png` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+BASELINE, PLD = "baseline", "pld"
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def load_questions(path: str | Path, limit: int = 0, categories: list[str] | None = None) -> list[dict]:
+    """Questions from a jsonl file, optionally filtered by category and cut to the first `limit`."""
+    questions = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            q = json.loads(line)
+            missing = {"question_id", "category", "turns"} - q.keys()
+            if missing:
+                raise ValueError(f"{path}:{n}: question lacks {sorted(missing)}; expected MT-bench/Spec-Bench "
+                                 "jsonl with question_id, category, turns")
+            if not isinstance(q["turns"], list) or not q["turns"]:
+                raise ValueError(f"{path}:{n}: 'turns' must be a non-empty list of strings")
+            questions.append(q)
+    if categories:
+        unknown = set(categories) - {q["category"] for q in questions}
+        if unknown:
+            raise ValueError(f"--categories {sorted(unknown)} not in {path}")
+        questions = [q for q in questions if q["category"] in categories]
+    return questions[:limit] if limit else questions
+
+
+def render(tokenizer, messages: list[dict]) -> torch.Tensor:
+    """[1, T] prompt ids: the conversation so far through the chat template, ready for the reply."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template; bench renders prompts as chat conversations")
+    enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)
+    return enc["input_ids"]
+
+
+# ---------------------------------------------------------------------------------------------- methods
+@dataclass
+class Method:
+    """A named way to generate: `run(input_ids, max_new_tokens) -> (output_ids [1, T + new], stats)`."""
+
+    name: str
+    run: Callable[[torch.Tensor, int], tuple[torch.Tensor, dict]]
+
+
+class ForwardCounter:
+    """Counts the target's forward calls, so tau is measured the same way for every method."""
+
+    def __init__(self, model):
+        self.calls = 0
+        self._handle = model.register_forward_pre_hook(self._hook)
+
+    def _hook(self, module, args):
+        self.calls += 1
+
+    def remove(self):
+        self._handle.remove()
+
+
+def hf_method(target, name: str, **generate_kwargs) -> Method:
+    pad = target.generation_config.pad_token_id
+    if pad is None:
+        eos = target.generation_config.eos_token_id
+        pad = eos[0] if isinstance(eos, list) else eos
+
+    def run(input_ids, max_new_tokens):
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                              max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
+        return out, {}
+
+    return Method(name, run)
+
+
+def engine_method(target, drafter, name: str) -> Method:
+    from infer import SelfSpecModel
+
+    model = SelfSpecModel(target, drafter)
+
+    def run(input_ids, max_new_tokens):
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out, dict(model.last_stats)
+
+    return Method(name, run)
+
+
+def load_drafter(spec: str, target):
+    """(name, drafter) for `ngram`, `draft-model:<path or hub id>`, or a saved drafter folder / hub id."""
+    if spec == "ngram":
+        return "ngram", "ngram"
+    if spec.startswith("draft-model:"):
+        from infer.embedded import resolve_target
+
+        path = spec.split(":", 1)[1]
+        model, _ = resolve_target(path, dtype=target.dtype)
+        return f"draft-model:{Path(path).name}", model
+    import heads
+
+    drafter = heads.load(spec)
+    kind = getattr(drafter.config, "model_type", type(drafter).__name__)
+    return f"{kind}:{Path(spec).name}", drafter
+
+
+# ---------------------------------------------------------------------------------------------- running
+def _new_tokens(out: torch.Tensor, prompt_len: int, eos: set[int]) -> list[int]:
+    """Generated ids up to and including the first eos (padding after it dropped)."""
+    new = out[0, prompt_len:].tolist()
+    for i, tok in enumerate(new):
+        if tok in eos:
+            return new[:i + 1]
+    return new
+
+
+def _eos_ids(target, tokenizer) -> set[int]:
+    eos = target.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return ids
+
+
+def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *, max_new_tokens: int = 128,
+              repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True) -> dict:
+    """Time every method on every question (interleaved), check greedy equality, aggregate per category.
+
+    `methods[0]` is the reference every other method's output is compared with (the baseline). Later turns
+    are rendered with the reference's reply to the earlier ones, as MT-bench does with a model's own answers.
+    """
+    from tqdm.auto import tqdm
+
+    if not methods or methods[0].name != BASELINE:
+        raise ValueError(f"methods[0] must be the '{BASELINE}' reference")
+    if repeats < 1 or turns < 1 or max_new_tokens < 1:
+        raise ValueError("repeats, turns and max_new_tokens must all be >= 1")
+    eos = _eos_ids(target, tokenizer)
+    counter = ForwardCounter(target)
+    records, mismatches, history = [], [], {}
+    try:
+        with torch.inference_mode():
+            if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
+                ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}])
+                for m in tqdm(methods, desc="warm-up", disable=not progress):
+                    m.run(ids, min(max_new_tokens, 32))
+            work = [(q, t) for q in questions for t in range(min(turns, len(q["turns"])))]
+            for q, turn in tqdm(work, desc="bench", disable=not progress):
+                messages = history.get(q["question_id"], []) + [{"role": "user", "content": q["turns"][turn]}]
+                ids = render(tokenizer, messages)
+                results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
+                for name in results:
+                    results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
+                    if not results[name]["matches_baseline"]:
+                        mismatches.append({"question_id": q["question_id"], "turn": turn + 1, "method": name,
+                                           "first_differing_token": _first_difference(outputs[name],
+                                                                                      outputs[BASELINE])})
+                records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
+                                "prompt_tokens": ids.shape[1], "results": results})
+                reply = tokenizer.decode(outputs[BASELINE], skip_special_tokens=True)
+                history[q["question_id"]] = messages + [{"role": "assistant", "content": reply}]
+    finally:
+        counter.remove()
+    names = [m.name for m in methods]
+    return {"methods": names, "questions": records, "mismatches": mismatches,
+            "per_category": _aggregate(records, names),
+            "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "turns": turns, "batch_size": 1,
+                         "greedy": True, "warmup": warmup}}
+
+
+def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[dict, dict]:
+    """One prompt, every method, `repeats` rounds (methods interleaved within a round).
+
+    Returns per-method measurements (median seconds over the rounds) and each method's new token ids.
+    """
+    results = {m.name: {"seconds_all": []} for m in methods}
+    outputs = {}
+    for _ in range(repeats):
+        for m in methods:
+            counter.calls = 0
+            tic = time.perf_counter()
+            out, stats = m.run(ids, max_new_tokens)
+            seconds = time.perf_counter() - tic
+            r = results[m.name]
+            r["seconds_all"].append(seconds)
+            tokens = _new_tokens(out, ids.shape[1], eos)
+            if m.name in outputs and outputs[m.name] != tokens:
+                raise RuntimeError(f"{m.name} gave different greedy outputs on repeated runs of one prompt")
+            outputs[m.name] = tokens
+            r.update(new_tokens=len(tokens), target_forwards=counter.calls)
+            if "accepted_lengths" in stats:
+                r.update(accepted_lengths=list(stats["accepted_lengths"]), draft_seconds=stats.get("draft_seconds"),
+                         verify_seconds=stats.get("verify_seconds"))
+    for r in results.values():
+        r["seconds"] = statistics.median(r["seconds_all"])
+    return results, outputs
+
+
+def _first_difference(a: list[int], b: list[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def _aggregate(records: list[dict], names: list[str]) -> dict:
+    """Per category (and 'overall'): tokens/s = total new tokens / total median seconds; speedups are ratios
+    of tokens/s; tau = total new tokens / total target forwards."""
+    groups: dict[str, list[dict]] = {}
+    for rec in records:
+        groups.setdefault(rec["category"], []).append(rec)
+    groups["overall"] = records
+    table = {}
+    for cat, recs in groups.items():
+        row = {}
+        for name in names:
+            tokens = sum(r["results"][name]["new_tokens"] for r in recs)
+            seconds = sum(r["results"][name]["seconds"] for r in recs)
+            forwards = sum(r["results"][name]["target_forwards"] for r in recs)
+            row[name] = {"questions": len(recs), "new_tokens": tokens, "seconds": round(seconds, 4),
+                         "tokens_per_s": tokens / seconds if seconds else 0.0,
+                         "tau": tokens / forwards if forwards else 0.0,
+                         "mismatches": sum(not r["results"][name]["matches_baseline"] for r in recs)}
+        for name in names:
+            for ref, key in ((BASELINE, "speedup_vs_greedy"), (PLD, "speedup_vs_pld")):
+                if ref in row and row[ref]["tokens_per_s"]:
+                    row[name][key] = row[name]["tokens_per_s"] / row[ref]["tokens_per_s"]
+        table[cat] = row
+    return table
+
+
+# ---------------------------------------------------------------------------------------------- outputs
+def to_markdown(result: dict) -> str:
+    methods, cats = result["methods"], list(result["per_category"])
+    lines = ["| category | method | tau | tokens/s | speedup vs greedy | speedup vs PLD | mismatches |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for cat in cats:
+        for name in methods:
+            r = result["per_category"][cat][name]
+            vs_pld = f"{r['speedup_vs_pld']:.2f}x" if "speedup_vs_pld" in r else "-"
+            label = f"**{cat}**" if cat == "overall" else cat
+            lines.append(f"| {label} | {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
+                         f"{r['speedup_vs_greedy']:.2f}x | {vs_pld} | {r['mismatches']} |")
+    env = result.get("environment", {})
+    s = result["settings"]
+    foot = (f"\n{len(result['questions'])} generations, batch 1, greedy, max {s['max_new_tokens']} new tokens, "
+            f"median of {s['repeats']} repeat(s)")
+    if env:
+        foot += f"; {env.get('cpu')}, {env.get('torch_threads')} torch threads, {env.get('dtype')}"
+    foot += ". tau = new tokens per target forward (prefill included).\n"
+    if result["mismatches"]:
+        foot += f"\n**{len(result['mismatches'])} greedy output(s) differ from the baseline.**\n"
+    return "\n".join(lines) + "\n" + foot
+
+
+def plot(result: dict, out_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    methods = [m for m in result["methods"] if m != BASELINE]
+    cats = list(result["per_category"])
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(cats)), 4))
+    width = 0.8 / max(len(methods), 1)
+    for i, name in enumerate(methods):
+        xs = [c + (i - (len(methods) - 1) / 2) * width for c in range(len(cats))]
+        ax.bar(xs, [result["per_category"][c][name]["speedup_vs_greedy"] for c in cats], width, label=name)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
+    ax.set_ylabel("speedup vs transformers greedy")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "speedup.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    hist = {name: [a for rec in result["questions"] for a in rec["results"][name].get("accepted_lengths", [])]
+            for name in methods}
+    hist = {k: v for k, v in hist.items() if v}
+    if hist:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        top = max(max(v) for v in hist.values())
+        bins = [x - 0.5 for x in range(1, top + 2)]
+        for name, values in hist.items():
+            ax.hist(values, bins=bins, alpha=0.5, density=True, label=f"{name} (mean {statistics.mean(values):.2f})")
+        ax.set_xlabel("tokens emitted per verification step (accepted drafts + bonus)")
+        ax.set_ylabel("fraction of steps")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "accepted_lengths.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> dict[str, Path]:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / "results.json", "markdown": out_dir / "results.md"}
+    paths["json"].write_text(json.dumps(result, indent=1) + "\n")
+    paths["markdown"].write_text(to_markdown(result))
+    if plots:
+        for p in plot(result, out_dir):
+            paths[p.stem] = p
+    return paths
+
+
+def environment(target, threads: int) -> dict:
+    import transformers
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
+            "transformers": transformers.__version__, "python": platform.python_version(),
+            "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+def report_mismatches(result: dict) -> None:
+    if not result["mismatches"]:
+        print("greedy check: every output equals transformers' greedy output")
+        return
+    print(f"\n!!! GREEDY MISMATCH: {len(result['mismatches'])} output(s) differ from transformers' greedy output "
+          "!!!", file=sys.stderr)
+    for m in result["mismatches"]:
+        print(f"!!!   question {m['question_id']} turn {m['turn']}: {m['method']} differs from token "
+              f"{m['first_differing_token']}", file=sys.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
+    parser.add_argument("--questions", required=True, help="jsonl with question_id, category, turns")
+    parser.add_argument("--drafter", action="append", default=[],
+                        help="ngram | path/to/drafter_folder | draft-model:<path>; repeat for several")
+    parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")
+    parser.add_argument("--turns", type=int, default=1, help="how many turns of each question to run")
+    parser.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
+    parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the PLD baseline")
+    parser.add_argument("--no-pld", action="store_true", help="skip the transformers prompt-lookup baseline")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--strict", action="store_true", help="exit 1 if any greedy output differs")
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
+
+    from infer.embedded import resolve_target
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    questions = load_questions(args.questions, args.limit, args.categories)
+    if not questions:
+        parser.error("no questions selected")
+    target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))
+    methods = [hf_method(target, BASELINE)]
+    if not args.no_pld:
+        methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
+    for spec in args.drafter:
+        name, drafter = load_drafter(spec, target)
+        methods.append(engine_method(target, drafter, name))
+    print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
+          f"torch threads: {torch.get_num_threads()}")
+
+    result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats, turns=args.turns)
+    result["environment"] = environment(target, torch.get_num_threads())
+    result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
+    result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
+                              args.pld_tokens, drafters=args.drafter)
+    paths = write_outputs(result, args.out, plots=not args.no_plots)
+    print(to_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    report_mismatches(result)
+    return 1 if args.strict and result["mismatches"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

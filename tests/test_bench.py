@@ -1,0 +1,137 @@
+"""scripts/bench.py on a tiny target: output structure, greedy-equality checking, CLI exit codes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench"] = bench  # dataclasses look their module up while the file executes
+_spec.loader.exec_module(bench)
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<user>", "<assistant>", "<unk>"]
+CHAT = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    vocab = {tok: i for i, tok in enumerate(SPECIALS)}
+    vocab.update({f"w{i}": i for i in range(len(SPECIALS), VOCAB)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", unk_token="<unk>",
+                                   chat_template=CHAT)
+
+
+def tiny_target():
+    """A tiny target that never stops early (no eos), so every run emits exactly max_new_tokens."""
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture
+def questions_file(tmp_path) -> Path:
+    rows = [{"question_id": 1, "category": "alpha", "turns": ["w10 w11 w12 w10 w11", "w20 w21"]},
+            {"question_id": 2, "category": "beta", "turns": ["w30 w31 w32 w33 w30 w31 w32"]}]
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def broken_method(target) -> bench.Method:
+    """Greedy, except the third new token is replaced: the equality check must catch it."""
+    honest = bench.hf_method(target, "broken")
+
+    def run(ids, max_new_tokens):
+        out, stats = honest.run(ids, max_new_tokens)
+        out = out.clone()
+        out[0, ids.shape[1] + 2] = (out[0, ids.shape[1] + 2] + 1) % VOCAB
+        return out, stats
+
+    return bench.Method("broken", run)
+
+
+def test_run_bench_structure_and_greedy_check(questions_file, tmp_path):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    questions = bench.load_questions(questions_file)
+    methods = [bench.hf_method(target, bench.BASELINE),
+               bench.hf_method(target, bench.PLD, prompt_lookup_num_tokens=4),
+               bench.engine_method(target, "ngram", "ngram"),
+               broken_method(target)]
+    result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=12, repeats=2, turns=2,
+                             progress=False)
+
+    assert result["methods"] == ["baseline", "pld", "ngram", "broken"]
+    # question 1 has two turns, question 2 one: three generations.
+    assert [(r["question_id"], r["turn"]) for r in result["questions"]] == [(1, 1), (1, 2), (2, 1)]
+    assert result["questions"][1]["prompt_tokens"] > result["questions"][0]["prompt_tokens"]  # history included
+    for rec in result["questions"]:
+        for name, r in rec["results"].items():
+            assert len(r["seconds_all"]) == 2 and r["seconds"] > 0
+            assert r["new_tokens"] == 12 and r["target_forwards"] >= 1
+            assert r["matches_baseline"] == (name != "broken")
+        assert rec["results"]["baseline"]["target_forwards"] == rec["results"]["baseline"]["new_tokens"]
+        assert sum(rec["results"]["ngram"]["accepted_lengths"]) + 1 == rec["results"]["ngram"]["new_tokens"]
+
+    assert {m["method"] for m in result["mismatches"]} == {"broken"}
+    assert all(m["first_differing_token"] == 2 for m in result["mismatches"])
+    table = result["per_category"]
+    assert set(table) == {"alpha", "beta", "overall"}
+    for cat in table:
+        assert table[cat]["baseline"]["tau"] == 1.0
+        assert table[cat]["baseline"]["speedup_vs_greedy"] == pytest.approx(1.0)
+        assert table[cat]["pld"]["speedup_vs_pld"] == pytest.approx(1.0)
+        assert table[cat]["broken"]["mismatches"] == table[cat]["broken"]["questions"]
+        assert table[cat]["ngram"]["mismatches"] == 0
+
+    paths = bench.write_outputs(result, tmp_path / "out")
+    assert json.loads(paths["json"].read_text())["mismatches"] == result["mismatches"]
+    md = paths["markdown"].read_text()
+    assert md.startswith("| category | method | tau | tokens/s | speedup vs greedy | speedup vs PLD |")
+    assert "| **overall** | ngram |" in md and "differ from the baseline" in md
+    assert paths["speedup"].stat().st_size > 0 and paths["accepted_lengths"].stat().st_size > 0
+
+
+def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
+    folder = tmp_path / "tiny"
+    tiny_target().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    argv = ["--target", str(folder), "--questions", str(questions_file), "--drafter", "ngram",
+            "--max-new-tokens", "8", "--out", str(tmp_path / "cli"), "--threads", "1", "--strict", "--no-plots"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert result["environment"]["torch_threads"] == 1
+    assert result["methods"] == ["baseline", "pld", "ngram"]
+
+    # The same run with an engine that emits a wrong token must fail under --strict.
+    real = bench.engine_method
+    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name: broken_method(target))
+    assert bench.main(argv) == 1
+    monkeypatch.setattr(bench, "engine_method", real)
+
+
+def test_load_questions_validates_and_filters(tmp_path, questions_file):
+    assert [q["question_id"] for q in bench.load_questions(questions_file, categories=["beta"])] == [2]
+    assert len(bench.load_questions(questions_file, limit=1)) == 1
+    with pytest.raises(ValueError, match="not in"):
+        bench.load_questions(questions_file, categories=["gamma"])
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question_id": 1, "prompt": "x"}) + "\n")
+    with pytest.raises(ValueError, match="lacks"):
+        bench.load_questions(bad)
+
+
+def test_new_tokens_stop_at_eos():
+    out = torch.tensor([[5, 6, 7, 2, 0, 0]])
+    assert bench._new_tokens(out, 2, {2}) == [7, 2]
