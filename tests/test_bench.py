@@ -135,3 +135,28 @@ def test_load_questions_validates_and_filters(tmp_path, questions_file):
 def test_new_tokens_stop_at_eos():
     out = torch.tensor([[5, 6, 7, 2, 0, 0]])
     assert bench._new_tokens(out, 2, {2}) == [7, 2]
+
+
+def test_push_to_hub_dry_run_puts_measurements_on_the_card(tmp_path, capsys):
+    import heads
+
+    spec = importlib.util.spec_from_file_location("push_to_hub", ROOT / "scripts" / "push_to_hub.py")
+    push_to_hub = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(push_to_hub)
+
+    run = tmp_path / "run"
+    heads.build("medusa", tiny_target()).save_pretrained(run / "drafter")
+    row = {"questions": 2, "tau": 1.8, "tokens_per_s": 20.0, "speedup_vs_greedy": 1.5, "speedup_vs_pld": 1.2,
+           "mismatches": 0}
+    (run / "bench").mkdir()
+    (run / "bench" / "results.json").write_text(json.dumps({
+        "methods": ["baseline", "pld", "ngram", "medusa"], "per_category": {"overall": {"medusa": row}},
+        "settings": {"max_new_tokens": 64}, "environment": {"cpu": "test cpu", "torch_threads": 2}}))
+    staged = tmp_path / "staged"
+    assert push_to_hub.main([str(run), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(staged)]) == 0
+    card = (staged / "README.md").read_text()
+    assert "measured_speedup_vs_transformers_greedy: 1.5" in card and "test cpu" in card
+    assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in staged.iterdir()}
+    assert not (run / "drafter" / "README.md").read_text().count("measured_tau")  # source left untouched
+    with pytest.raises(FileNotFoundError, match="no saved drafter"):
+        push_to_hub.find_drafter(tmp_path / "nothing")
