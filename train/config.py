@@ -1,0 +1,189 @@
+"""Training configuration: one dataclass of defaults; YAML files and `key=value` arguments override it.
+
+A YAML file holds only the fields it changes. Unknown keys are an error that names the key and the
+closest known ones, and every override is checked against the field's type, so a typo never trains
+with a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+DRAFTER_KINDS = ("medusa", "eagle", "eagle3")
+
+
+@dataclass
+class TrainConfig:
+    # --- what to train ---
+    target: str = "smollm2-135m-instruct"  # target model: a local folder, a hub id, or the short name of the embedded SmolLM2
+    target_dtype: str = "float32"  # dtype the frozen target runs in: float32 | bfloat16 | float16
+    drafter: str = "eagle"  # drafter kind: medusa | eagle | eagle3
+    drafter_options: dict = field(default_factory=dict)  # passed to heads.build (e.g. num_heads, num_layers, draft_vocab_size)
+    drafter_init: str = ""  # continue training a saved drafter (folder or hub id) instead of building a fresh one
+
+    # --- data ---
+    data: str = ""  # a hub dataset id or a local .json/.jsonl/.parquet file (ShareGPT, OpenAI messages or Alpaca rows)
+    data_split: str = "train"  # split to read from a hub dataset
+    max_samples: int = 0  # use only the first N conversations (0 = all)
+    max_length: int = 512  # tokens per sample; longer ones are truncated, and dropped if no assistant token is left
+    eval_fraction: float = 0.05  # share of conversations held out for evaluation
+    max_eval_samples: int = 200  # cap on the held-out split (evaluation runs often)
+    group_by_length: bool = True  # batch samples of similar length together (less padding)
+
+    # --- target features ---
+    features: str = "online"  # online: run the frozen target in the loop; offline: compute once and cache on disk
+    feature_cache_dir: str = ".cache/selfspec-features"  # offline cache root; entries are keyed by target+data+max_length
+    feature_dtype: str = "float32"  # dtype of cached features: float32 | bfloat16 | float16
+
+    # --- losses ---
+    loss: str = "hard"  # hard: CE on the data's tokens; soft: KL to the target's next-token distribution; both: their sum
+    head_decay: float = 0.8  # Medusa: weight of head k is head_decay**k
+    feature_loss_weight: float = 1.0  # EAGLE: smooth-L1 on predicted features (the EAGLE paper uses 1.0)
+    token_loss_weight: float = 0.1  # EAGLE: CE/KL on predicted tokens (the EAGLE paper uses 0.1)
+    feature_noise: float = 0.0  # EAGLE: uniform noise U(-a, a) added to input features during training (the paper uses 0.1 for 7B+ targets)
+    ttt_steps: int = 1  # EAGLE/EAGLE-3: steps unrolled on the drafter's own outputs (training-time test); 1 = teacher forcing only
+    ttt_decay: float = 0.8  # EAGLE/EAGLE-3: weight of unrolled step s is ttt_decay**s
+    eval_steps_depth: int = 4  # EAGLE/EAGLE-3: depth of the unrolled chain measured at evaluation
+
+    # --- Medusa-2: LoRA on the target, trained jointly with the heads ---
+    lora_r: int = 0  # LoRA rank on the target (0 = frozen target, Medusa-1)
+    lora_alpha: int = 16  # LoRA scaling numerator
+    lora_dropout: float = 0.0  # LoRA dropout
+    lora_target_modules: list = field(default_factory=lambda: ["q_proj", "v_proj"])  # target modules that get adapters
+    target_kl_weight: float = 1.0  # weight of KL(original target || adapted target), keeping the target's outputs unchanged
+
+    # --- optimisation ---
+    batch_size: int = 4  # samples per process per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    epochs: int = 1  # passes over the training split (ignored when max_steps > 0)
+    max_steps: int = 0  # optimizer steps in total (0 = derived from epochs)
+    lr: float = 3e-4  # peak learning rate (AdamW)
+    weight_decay: float = 0.0  # AdamW weight decay
+    warmup_steps: int = 0  # linear warm-up steps
+    lr_schedule: str = "cosine"  # after warm-up: cosine | linear | constant
+    max_grad_norm: float = 1.0  # gradient clipping (0 = off)
+    mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16 (fp16 needs a GPU)
+    seed: int = 0  # seeds model init, data order and noise
+
+    # --- logging, evaluation, checkpoints ---
+    output_dir: str = "runs/drafter"  # checkpoints go to <output_dir>/checkpoints, the trained drafter to <output_dir>/drafter
+    log_every: int = 10  # optimizer steps between log lines
+    eval_every: int = 0  # optimizer steps between evaluations (0 = only at the end)
+    save_every: int = 0  # optimizer steps between checkpoints (0 = none)
+    keep_checkpoints: int = 2  # newest checkpoints kept on disk
+    resume: bool = False  # continue from the newest checkpoint in <output_dir>/checkpoints
+    halt_after_steps: int = 0  # stop after this many steps without the final save, as a kill would (tests, preemption drills)
+    report_to: str = "none"  # none | wandb (WANDB_MODE=offline/disabled is honoured)
+    wandb_project: str = "selfspec"  # wandb project name
+    run_name: str = ""  # wandb run name (empty: derived from drafter kind and target)
+    push_to_hub: str = ""  # repo id to push the trained drafter to (empty = don't)
+    progress_bar: bool = True  # tqdm bars on the main process
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainConfig)}
+
+
+def _field_type(name: str):
+    hints = typing.get_type_hints(TrainConfig)
+    return hints[name]
+
+
+def _unknown_key_error(key: str, source: str) -> ValueError:
+    close = difflib.get_close_matches(key, list(_fields()), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+    return ValueError(f"unknown config key {key!r} in {source}{hint}")
+
+
+def _coerce(name: str, value, source: str):
+    """Check `value` against the field's type; strings from the command line are parsed as YAML scalars."""
+    typ = _field_type(name)
+    if isinstance(typ, types.UnionType) or typing.get_origin(typ) is typing.Union:
+        raise AssertionError(f"union field types are not supported ({name})")
+    origin = typing.get_origin(typ) or typ
+    if isinstance(value, str) and origin is not str:
+        value = yaml.safe_load(value) if value != "" else value
+    ok = {
+        bool: lambda v: isinstance(v, bool),
+        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+        str: lambda v: isinstance(v, str),
+        list: lambda v: isinstance(v, list),
+        dict: lambda v: isinstance(v, dict),
+    }[origin]
+    if value is None and origin is str:
+        value = ""
+    if not ok(value):
+        raise TypeError(f"config key {name!r} in {source} expects {origin.__name__}, got {value!r}")
+    return float(value) if origin is float else value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
+    """Defaults, then the YAML file at `path`, then `overrides` (`["key=value", ...]` or a dict)."""
+    values: dict = {}
+    if path:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {str(path)!r} does not exist")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ValueError(f"config file {str(path)!r} must hold a mapping of overrides")
+        for key, value in loaded.items():
+            if key not in _fields():
+                raise _unknown_key_error(key, str(path))
+            values[key] = _coerce(key, value, str(path))
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for arg in overrides or []:
+            if "=" not in arg:
+                raise ValueError(f"override {arg!r} must look like key=value")
+            key, value = arg.split("=", 1)
+            items.append((key.lstrip("-"), value))
+    for key, value in items:
+        if key not in _fields():
+            raise _unknown_key_error(key, "overrides")
+        values[key] = _coerce(key, value, "overrides")
+    config = TrainConfig(**values)
+    validate(config)
+    return config
+
+
+def validate(config: TrainConfig) -> None:
+    """Checks that need no model or data; raise before anything expensive runs."""
+    choices = {
+        "drafter": DRAFTER_KINDS,
+        "features": ("online", "offline"),
+        "loss": ("hard", "soft", "both"),
+        "lr_schedule": ("cosine", "linear", "constant"),
+        "mixed_precision": ("no", "bf16", "fp16"),
+        "report_to": ("none", "wandb"),
+        "target_dtype": ("float32", "bfloat16", "float16"),
+        "feature_dtype": ("float32", "bfloat16", "float16"),
+    }
+    for name, allowed in choices.items():
+        if getattr(config, name) not in allowed:
+            raise ValueError(f"config key {name!r} must be one of {allowed}, got {getattr(config, name)!r}")
+    if not config.data:
+        raise ValueError("config key 'data' is empty: give a hub dataset id or a .json/.jsonl/.parquet file")
+    for name in ("max_length", "batch_size", "grad_accum", "epochs", "ttt_steps", "eval_steps_depth"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"config key {name!r} must be >= 1, got {getattr(config, name)}")
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise ValueError(f"config key 'eval_fraction' must be in [0, 1), got {config.eval_fraction}")
+    if config.lora_r > 0 and config.drafter != "medusa":
+        raise ValueError("lora_r > 0 (Medusa-2) is only supported with drafter: medusa")
+    if config.lora_r > 0 and config.features == "offline":
+        raise ValueError("lora_r > 0 trains the target, so its features change every step: use features: online")
+
+
+def to_dict(config: TrainConfig) -> dict:
+    return dataclasses.asdict(config)

@@ -1,0 +1,232 @@
+"""Conversations in, token ids and an assistant-only loss mask out.
+
+Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file) in one of three formats,
+detected from the columns: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of
+`role`/`content`) or Alpaca (`instruction`/`input`/`output`). Each conversation is rendered with the
+target tokenizer's own chat template.
+
+Which tokens are the assistant's is found without knowing the template: for every assistant turn i the
+template renders the conversation up to turn i with the generation prompt (everything before the
+reply) and up to and including turn i (everything through the reply). Both renderings must be prefixes
+of the full rendering; the characters between them are the reply (and the template's end-of-turn
+marker, which the model must learn to emit), and a token is the assistant's when it starts inside that
+character span. Templates that rewrite earlier turns (so that prefixes are not prefixes) are rejected.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "system": "system"}
+LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+
+def load_rows(source: str, split: str = "train"):
+    """A `datasets.Dataset` from a local file or a hub dataset id."""
+    import datasets
+
+    path = Path(source)
+    if path.suffix in LOCAL_SUFFIXES:
+        if not path.is_file():
+            raise ValueError(f"data file {source!r} does not exist")
+        if path.suffix != ".parquet" and path.read_text().strip() in ("", "[]"):
+            raise ValueError(f"the dataset {source!r} is empty")
+        return datasets.load_dataset(LOCAL_SUFFIXES[path.suffix], data_files=str(path), split="train")
+    if path.exists():
+        raise ValueError(f"data {source!r}: local data must be a .json, .jsonl or .parquet file")
+    return datasets.load_dataset(source, split=split)
+
+
+def detect_format(columns) -> str:
+    columns = set(columns)
+    if "conversations" in columns:
+        return "sharegpt"
+    if "messages" in columns:
+        return "messages"
+    if {"instruction", "output"} <= columns:
+        return "alpaca"
+    raise ValueError(
+        f"cannot tell the data format from columns {sorted(columns)}: expected 'conversations' "
+        "(ShareGPT, from/value), 'messages' (OpenAI, role/content) or 'instruction'+'output' (Alpaca)")
+
+
+def to_messages(row: dict, fmt: str) -> list[dict]:
+    """One row as a list of {"role", "content"} messages."""
+    if fmt == "alpaca":
+        prompt = row["instruction"]
+        if row.get("input"):
+            prompt = f"{prompt}\n\n{row['input']}"
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
+    if fmt == "sharegpt":
+        messages = []
+        for turn in row["conversations"]:
+            role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+            if role is None:
+                raise ValueError(f"ShareGPT turn has unknown 'from' value {turn['from']!r}")
+            messages.append({"role": role, "content": turn["value"]})
+        return messages
+    if fmt == "messages":
+        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+    raise ValueError(f"unknown data format {fmt!r}")
+
+
+def check_chat_template(tokenizer) -> None:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set "
+            "tokenizer.chat_template (a Jinja string) before training on conversations")
+
+
+def _render(tokenizer, messages, generation_prompt: bool) -> str:
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+
+
+def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant reply in it."""
+    full = _render(tokenizer, messages, False)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise ValueError("a conversation starts with an assistant turn; it needs a prompt before it")
+        before = _render(tokenizer, messages[:i], True)
+        through = _render(tokenizer, messages[: i + 1], False)
+        if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
+            raise ValueError(
+                "the chat template does not render conversations prefix-stably (rendering the first turns "
+                "is not a prefix of rendering all of them), so assistant tokens cannot be located")
+        # Whitespace the template puts after the end-of-turn marker is never generated by the model.
+        end = len(through.rstrip())
+        spans.append((len(before), max(end, len(before))))
+    return full, spans
+
+
+def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens."""
+    full, spans = assistant_char_spans(tokenizer, messages)
+    enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
+    mask = []
+    for start, end in enc["offset_mapping"]:
+        inside = any(s <= start < e for s, e in spans) and end > start
+        mask.append(int(inside))
+    return list(enc["input_ids"]), mask
+
+
+@dataclass
+class DataStats:
+    rows: int = 0
+    no_assistant: int = 0  # conversations without any assistant turn
+    truncated: int = 0  # samples cut at max_length
+    dropped_after_truncation: int = 0  # samples with no assistant token left after truncation
+    train: int = 0
+    eval: int = 0
+    assistant_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+@dataclass
+class Sample:
+    id: str
+    input_ids: list[int]
+    loss_mask: list[int]
+
+
+def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tuple[list[Sample], DataStats]:
+    """Tokenize every row; truncate to max_length; drop samples left without assistant tokens."""
+    check_chat_template(tokenizer)
+    if len(rows) == 0:
+        raise ValueError("the dataset is empty")
+    fmt = detect_format(rows.column_names)
+    if max_samples:
+        rows = rows.select(range(min(max_samples, len(rows))))
+    stats = DataStats(rows=len(rows), extra={"format": fmt})
+    samples = []
+    for index, row in enumerate(rows):
+        messages = to_messages(row, fmt)
+        if not any(m["role"] == "assistant" for m in messages):
+            stats.no_assistant += 1
+            continue
+        ids, mask = tokenize_conversation(tokenizer, messages)
+        if len(ids) > max_length:
+            stats.truncated += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+        # The first token is never predicted, so a mask on position 0 alone is not a training signal.
+        if sum(mask[1:]) == 0:
+            stats.dropped_after_truncation += 1
+            continue
+        samples.append(Sample(str(row.get("id", index)), ids, mask))
+    if stats.no_assistant == stats.rows:
+        raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
+    if not samples:
+        raise ValueError(
+            f"every sample lost all assistant tokens when truncated to max_length={max_length} "
+            f"({stats.dropped_after_truncation} dropped); raise max_length")
+    return samples, stats
+
+
+def split_samples(samples: list[Sample], eval_fraction: float, max_eval: int, seed: int):
+    """Deterministic held-out split: (train, eval)."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    n_eval = min(int(round(len(samples) * eval_fraction)), max_eval)
+    if eval_fraction > 0 and len(samples) > 1:
+        n_eval = max(n_eval, 1)
+    eval_set = [samples[i] for i in sorted(order[:n_eval])]
+    train_set = [samples[i] for i in sorted(order[n_eval:])]
+    if not train_set:
+        raise ValueError(f"no training samples left after holding out {n_eval} for evaluation")
+    return train_set, eval_set
+
+
+def epoch_batches(lengths: list[int], batch_size: int, seed: int, epoch: int, group_by_length: bool,
+                  rank: int = 0, world_size: int = 1) -> list[list[int]]:
+    """This rank's batches (lists of sample indices) for one epoch; the same on every call.
+
+    With length grouping, shuffled indices are cut into mega-batches of 64 batches, each sorted by length
+    and cut into batches, and the batches shuffled again. Every rank gets the same number of batches.
+    """
+    rng = random.Random(seed * 100_003 + epoch)
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    if group_by_length:
+        mega = batch_size * 64
+        order = [i for k in range(0, len(order), mega)
+                 for i in sorted(order[k:k + mega], key=lambda i: -lengths[i])]
+    batches = [order[k:k + batch_size] for k in range(0, len(order), batch_size)]
+    if group_by_length:
+        rng.shuffle(batches)
+    per_rank = len(batches) // world_size
+    if per_rank == 0:
+        raise ValueError(f"{len(lengths)} training samples make fewer batches than the {world_size} processes")
+    return batches[rank * per_rank:(rank + 1) * per_rank]
+
+
+def collate(samples: list[Sample], indices: list[int], pad_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, loss_mask [B, T] and the samples' indices [B]."""
+    width = max(len(s.input_ids) for s in samples)
+    ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(samples), width), dtype=torch.long)
+    loss = torch.zeros((len(samples), width), dtype=torch.bool)
+    for b, s in enumerate(samples):
+        n = len(s.input_ids)
+        ids[b, :n] = torch.tensor(s.input_ids)
+        attn[b, :n] = 1
+        loss[b, :n] = torch.tensor(s.loss_mask, dtype=torch.bool)
+    return {"input_ids": ids, "attention_mask": attn, "loss_mask": loss,
+            "index": torch.tensor(indices, dtype=torch.long)}
+
+
+def token_counts(samples: list[Sample], vocab_size: int) -> torch.Tensor:
+    """How often each token is an assistant (trained) token: [V]; sets EAGLE-3's draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for s in samples:
+        ids = torch.tensor(s.input_ids)[torch.tensor(s.loss_mask, dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)[:vocab_size]
+    return counts

@@ -1,0 +1,379 @@
+"""Train a drafter (Medusa heads, EAGLE-1/2 or EAGLE-3) for a frozen target with accelerate.
+
+    accelerate launch train/train_heads.py --config configs/smollm2_eagle.yaml [key=value ...]
+    python train/train_heads.py --config configs/smollm2_eagle.yaml max_steps=200 --resume
+
+One process on CPU, DDP over several (`accelerate launch --cpu --num_processes 2`, or
+`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2`), DeepSpeed ZeRO-2/3 and bf16/fp16 on GPUs through
+the accelerate config files in configs/. Every field is documented in train/config.py.
+
+The loop: validate config and data, build the drafter, prepare features (online, or an offline cache),
+then repeat {batch -> target features -> objective -> optimizer step}, evaluating on the held-out split
+and checkpointing every N steps; a checkpoint holds model, optimizer, scheduler, RNG and data position,
+so `--resume` continues exactly where a killed run stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the repository importable, not train/ itself
+    _root = str(Path(__file__).resolve().parent.parent)
+    sys.path[:] = [_root] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
+
+import torch  # noqa: E402
+
+from train.config import TrainConfig, load_config, to_dict  # noqa: E402
+from train.data import (  # noqa: E402
+    build_samples,
+    collate,
+    epoch_batches,
+    load_rows,
+    split_samples,
+    token_counts,
+)
+from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
+from train.losses import StepStats  # noqa: E402
+from train.objectives import build_objective  # noqa: E402
+from train.target import load_target, target_fingerprint  # noqa: E402
+
+ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 accuracy), not measured by "
+                 "speculative decoding")
+
+
+@dataclass
+class Progress:
+    """Where the loop is; saved in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch: int = 0  # next micro-batch index within the epoch
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
+
+
+def make_accelerator(config: TrainConfig):
+    from accelerate import Accelerator
+
+    kwargs = {}
+    if config.report_to == "wandb":
+        kwargs["log_with"] = "wandb"
+    return Accelerator(gradient_accumulation_steps=config.grad_accum, mixed_precision=config.mixed_precision,
+                       step_scheduler_with_optimizer=False, project_dir=config.output_dir, **kwargs)
+
+
+def make_drafter(config: TrainConfig, target, tokenizer, train_set):
+    """A fresh drafter for the target (or the saved one in `drafter_init`), checked against it."""
+    import heads
+
+    if config.drafter_init:
+        drafter = heads.load(config.drafter_init)
+        if drafter.kind != config.drafter:
+            raise ValueError(f"drafter_init {config.drafter_init!r} holds a {drafter.kind} drafter, but the "
+                             f"config says drafter: {config.drafter}")
+        drafter.check_target(target, tokenizer)
+        drafter.attach(target, tokenizer)
+        return drafter.to(target.device)
+    drafter = heads.build(config.drafter, target, tokenizer=tokenizer, **config.drafter_options)
+    if drafter.kind == "eagle3":
+        counts = token_counts(train_set, drafter.config.target_vocab_size)
+        drafter.set_vocab_map(*heads.build_vocab_map(counts, drafter.config.draft_vocab_size))
+        drafter.init_from_target(target)
+        drafter.config.training = {**(drafter.config.training or {}),
+                                   "draft_vocab_coverage": round(float(counts[drafter.t2d].sum() / counts.sum()), 4)}
+    return drafter
+
+
+def add_lora(config: TrainConfig, target):
+    """Medusa-2: LoRA adapters on the target, trained with the heads."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=list(config.lora_target_modules), bias="none")
+    return get_peft_model(target, lora)
+
+
+def make_features(config, accelerator, target, drafter, samples, pad_id, split: str):
+    soft = config.loss != "hard"
+    layers = needed_layers(drafter, drafter.config.target_num_layers, soft)
+    if config.lora_r > 0:
+        return None  # Medusa-2 runs its adapted target inside the objective
+    if config.features == "online":
+        return OnlineFeatures(target, layers)
+    key = cache_key(f"{config.target}:{target_fingerprint(target)}", samples, layers, config.feature_dtype)
+    with accelerator.main_process_first():
+        cache = FeatureCache.build(target, samples, layers, config.feature_cache_dir, key,
+                                   dtype=config.feature_dtype, batch_size=config.batch_size, pad_id=pad_id,
+                                   progress=config.progress_bar and accelerator.is_main_process,
+                                   description=f"{split} features")
+    if accelerator.is_main_process:
+        print(f"[features] {split}: {len(samples)} samples cached at {cache.folder}", flush=True)
+    return OfflineFeatures(cache, accelerator.device)
+
+
+def make_scheduler(config: TrainConfig, optimizer, total_steps: int):
+    def factor(step: int) -> float:
+        if step < config.warmup_steps:
+            return (step + 1) / (config.warmup_steps + 1)
+        if config.lr_schedule == "constant":
+            return 1.0
+        done = (step - config.warmup_steps) / max(1, total_steps - config.warmup_steps)
+        if config.lr_schedule == "linear":
+            return max(0.0, 1.0 - done)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, done)))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def move(batch: dict, device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def feature_batch(features, batch):
+    if features is None:
+        return {}
+    return {k: v.float() for k, v in features.batch(batch).items()}
+
+
+@torch.no_grad()
+def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict:
+    """Per-step (per-head) top-1/top-3 and estimated accepted length on the held-out split."""
+    if not eval_set:
+        return {}
+    objective = accelerator.unwrap_model(objective)
+    was_training = objective.training
+    objective.eval()
+    steps = objective.drafter.config.num_heads if objective.drafter.kind == "medusa" else config.eval_steps_depth
+    stats = StepStats(steps, device=accelerator.device)
+    lengths = [len(s.input_ids) for s in eval_set]
+    batches = epoch_batches(lengths, config.batch_size, 0, 0, True)
+    loss_sum = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
+    for indices in batches[accelerator.process_index::accelerator.num_processes]:
+        batch = move(collate([eval_set[i] for i in indices], indices, pad_id), accelerator.device)
+        with accelerator.autocast():
+            loss, _ = objective(batch, feature_batch(features, batch), stats=stats, steps=steps)
+        loss_sum += torch.stack([loss.detach().double() * len(indices), torch.tensor(len(indices)).double()])
+    packed = accelerator.reduce(torch.cat([stats.tensor(), loss_sum]), reduction="sum")
+    stats = StepStats.from_tensor(packed[:-2].cpu())
+    name = "head" if objective.drafter.kind == "medusa" else "step"
+    out = stats.summary(name)
+    out["eval_loss"] = round(float(packed[-2] / packed[-1].clamp(min=1)), 5)
+    objective.train(was_training)
+    return out
+
+
+def checkpoints(config: TrainConfig) -> list[Path]:
+    folder = Path(config.output_dir) / "checkpoints"
+    return sorted(folder.glob("step_*")) if folder.is_dir() else []
+
+
+def save_checkpoint(config, accelerator, step: int) -> None:
+    path = Path(config.output_dir) / "checkpoints" / f"step_{step:08d}"
+    accelerator.save_state(str(path))
+    if accelerator.is_main_process:
+        for old in checkpoints(config)[:-config.keep_checkpoints]:
+            shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict) -> Path:
+    out = Path(config.output_dir) / "drafter"
+    if not accelerator.is_main_process:
+        return out
+    drafter = accelerator.unwrap_model(objective).drafter
+    training = dict(drafter.config.training or {})
+    training.update(data_info)
+    training.update({
+        "kind": config.drafter, "steps": result["step"], "loss": config.loss, "features": config.features,
+        "ttt_steps": config.ttt_steps if config.drafter != "medusa" else None,
+        "world_size": accelerator.num_processes, "wall_seconds": result["wall_seconds"],
+        "train_config": to_dict(config),
+    })
+    if lora_target is not None:
+        training["target_adapter"] = "target_adapter"  # LoRA on the target: the heads need it (Medusa-2)
+        training["requires_lora_target"] = True
+    drafter.config.training = training
+    drafter.config.metrics = {**result.get("eval", {}), "note": ESTIMATE_NOTE} if result.get("eval") else None
+    drafter.save_pretrained(out)
+    if lora_target is not None:
+        accelerator.unwrap_model(objective).lora_target.save_pretrained(out / "target_adapter")
+    if config.push_to_hub:
+        drafter.push_to_hub(config.push_to_hub)
+    return out
+
+
+def train(config: TrainConfig) -> dict:
+    """Run a training; returns {"step", "history", "eval", "drafter_dir", ...}."""
+    from accelerate.utils import set_seed
+    from tqdm.auto import tqdm
+
+    t_start = time.perf_counter()
+    accelerator = make_accelerator(config)
+    main = accelerator.is_main_process
+    set_seed(config.seed)
+
+    # 1. target, data and drafter: every check that can fail does so before features or training start.
+    target, tokenizer = load_target(config.target, config.target_dtype)
+    target.to(accelerator.device)
+    rows = load_rows(config.data, config.data_split)
+    samples, data_stats = build_samples(rows, tokenizer, config.max_length, config.max_samples)
+    train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
+    data_stats.train, data_stats.eval = len(train_set), len(eval_set)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    drafter = make_drafter(config, target, tokenizer, train_set)
+    lora_target = add_lora(config, target) if config.lora_r > 0 else None
+    if main:
+        print(f"[data] {json.dumps(asdict(data_stats))}", flush=True)
+
+    # 2. features: online (frozen target in the loop) or an offline cache built once.
+    t_feat = time.perf_counter()
+    train_features = make_features(config, accelerator, target, drafter, train_set, pad_id, "train")
+    eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
+        if eval_set else None
+    feature_seconds = time.perf_counter() - t_feat
+
+    # 3. objective, optimizer, schedule; resume if asked.
+    objective = build_objective(drafter, config, lora_target)
+    objective.train()
+    params = [p for p in objective.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
+    lengths = [len(s.input_ids) for s in train_set]
+    per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0, config.group_by_length,
+                                  accelerator.process_index, accelerator.num_processes)) // config.grad_accum
+    if per_epoch == 0:
+        raise ValueError(f"{len(train_set)} training samples make less than one optimizer step "
+                         f"(batch_size={config.batch_size}, grad_accum={config.grad_accum}, "
+                         f"processes={accelerator.num_processes})")
+    total_steps = config.max_steps or per_epoch * config.epochs
+    scheduler = make_scheduler(config, optimizer, total_steps)
+    if accelerator.distributed_type.name == "DEEPSPEED":
+        ds = accelerator.state.deepspeed_plugin.deepspeed_config
+        ds["train_micro_batch_size_per_gpu"] = config.batch_size
+    objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
+    progress = Progress()
+    accelerator.register_for_checkpointing(progress)
+    if config.resume:
+        found = checkpoints(config)
+        if not found:
+            raise ValueError(f"resume=true but no checkpoint in {Path(config.output_dir) / 'checkpoints'}")
+        accelerator.load_state(str(found[-1]))
+        if main:
+            print(f"[resume] from {found[-1]} at step {progress.step}", flush=True)
+    if config.report_to == "wandb":
+        accelerator.init_trackers(config.wandb_project, config=to_dict(config), init_kwargs={"wandb": {
+            "name": config.run_name or f"{config.drafter}-{Path(config.target).name}", "dir": config.output_dir}})
+
+    # 4. the loop.
+    history, result = [], {"halted": False}
+    bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
+    t_train, seen_tokens = time.perf_counter(), 0
+    while progress.step < total_steps:
+        batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
+                                accelerator.process_index, accelerator.num_processes)
+        usable = len(batches) - len(batches) % config.grad_accum
+        while progress.batch < usable and progress.step < total_steps:
+            indices = batches[progress.batch]
+            batch = move(collate([train_set[i] for i in indices], indices, pad_id), accelerator.device)
+            feats = feature_batch(train_features, batch)
+            with accelerator.accumulate(objective):
+                loss, logs = objective(batch, feats)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients and config.max_grad_norm > 0:
+                    accelerator.clip_grad_norm_(params, config.max_grad_norm)
+                optimizer.step()
+                optimizer.zero_grad()
+            progress.batch += 1
+            seen_tokens += int(batch["loss_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            scheduler.step()
+            progress.step += 1
+            bar.update(1)
+            record = {"step": progress.step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
+                      **{k: float(v) for k, v in logs.items()}}
+            history.append(record)
+            if config.log_every and progress.step % config.log_every == 0:
+                accelerator.log(record, step=progress.step)
+                if main:
+                    bar.write(f"[train] step {progress.step}/{total_steps} loss {record['loss']:.4f} "
+                              f"lr {record['lr']:.2e}")
+            if config.eval_every and progress.step % config.eval_every == 0 and progress.step < total_steps:
+                metrics = evaluate(config, accelerator, objective, eval_set, eval_features, pad_id)
+                accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
+                if main:
+                    bar.write(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
+            if config.save_every and progress.step % config.save_every == 0:
+                save_checkpoint(config, accelerator, progress.step)
+            if config.halt_after_steps and progress.step >= config.halt_after_steps:
+                result["halted"] = True
+                break
+        if result["halted"]:
+            break
+        if progress.batch >= usable:
+            progress.epoch, progress.batch = progress.epoch + 1, 0
+    bar.close()
+    train_seconds = time.perf_counter() - t_train
+
+    result.update(step=progress.step, history=history, feature_seconds=round(feature_seconds, 1),
+                  train_seconds=round(train_seconds, 1), assistant_tokens_seen=seen_tokens)
+    if result["halted"]:
+        accelerator.end_training()
+        return result
+
+    # 5. final evaluation and the drafter folder.
+    metrics = evaluate(config, accelerator, objective, eval_set, eval_features, pad_id)
+    result["eval"] = metrics
+    result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+    if main and metrics:
+        print(f"[eval] final step {progress.step}: {json.dumps(metrics)}\n[eval] est_accept_len* are "
+              f"{ESTIMATE_NOTE}", flush=True)
+    accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
+    data_info = {"data": config.data, "train_samples": len(train_set), "eval_samples": len(eval_set),
+                 "max_length": config.max_length, "data_stats": asdict(data_stats)}
+    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, lora_target, result, data_info))
+    if main:
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        summary = {k: v for k, v in result.items() if k != "history"}
+        (Path(config.output_dir) / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+        with open(Path(config.output_dir) / "history.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in history)
+    accelerator.wait_for_everyone()
+    accelerator.end_training()
+    return result
+
+
+def parse_args(argv=None) -> TrainConfig:
+    parser = argparse.ArgumentParser(description="Train a drafter for a frozen target (see train/config.py).")
+    parser.add_argument("--config", help="YAML file of overrides to the defaults in train/config.py")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--push_to_hub", metavar="REPO_ID", help="push the trained drafter to this repo")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, type-checked")
+    args = parser.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.resume:
+        overrides.append("resume=true")
+    if args.push_to_hub:
+        overrides.append(f"push_to_hub={args.push_to_hub}")
+    return load_config(args.config, overrides)
+
+
+def main(argv=None) -> None:
+    config = parse_args(argv)
+    os.makedirs(config.output_dir, exist_ok=True)
+    train(config)
+
+
+if __name__ == "__main__":
+    main()
