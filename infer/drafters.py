@@ -26,8 +26,8 @@ def chain_tree(roots: torch.Tensor, drafts: torch.Tensor, lengths: torch.Tensor,
 
 
 class NgramDrafter(Drafter):
-    """Prompt lookup (Saxena 2023; Fu et al. 2024): find the latest earlier occurrence of the context's
-    last n tokens (n from `max_ngram` down to `min_ngram`) and propose what followed it."""
+    """Prompt lookup (Saxena 2023; Fu et al. 2024): find an earlier occurrence of the context's last n
+    tokens (n from `max_ngram` down to `min_ngram`) and propose what followed it."""
 
     def __init__(self, num_tokens: int = 8, max_ngram: int = 3, min_ngram: int = 1):
         if not 1 <= min_ngram <= max_ngram:
@@ -47,11 +47,14 @@ class NgramDrafter(Drafter):
         self.roots = step.next_tokens
 
     def _lookup(self, ctx: torch.Tensor, k: int) -> torch.Tensor:
+        """The continuation of the latest earlier match of the context's suffix that still has k tokens
+        after it (in a loop the latest match is the suffix's previous copy, with one token after it)."""
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             windows = ctx[:-1].unfold(0, n, 1)  # every n-gram that has a token after it
-            hits = (windows == ctx[-n:]).all(-1).nonzero()
+            hits = (windows == ctx[-n:]).all(-1).nonzero()[:, 0]
             if len(hits):
-                start = int(hits[-1]) + n
+                room = (len(ctx) - (hits + n)).clamp(max=k)
+                start = int(hits[room == room.max()][-1]) + n
                 return ctx[start:start + k]
         return ctx[:0]
 

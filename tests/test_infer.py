@@ -1,0 +1,303 @@
+"""The engine's defining property: greedy speculative output == the target's own greedy `generate`.
+
+Every architecture, every drafter kind that needs no training, batch 1 and a left-padded batch; plus
+scripted drafters that force never / always / partly accepted paths through trees.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, VOCAB, tiny_model
+
+from infer import DraftTree, SelfSpecModel
+from infer.drafters import NgramDrafter
+from infer.drafting import Drafter, TargetStep
+
+
+def left_pad(seqs: list[list[int]], pad: int = 0):
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad)
+    mask = torch.zeros_like(ids)
+    for i, s in enumerate(seqs):
+        ids[i, width - len(s):] = torch.tensor(s)
+        mask[i, width - len(s):] = 1
+    return ids, mask
+
+
+def prompts(batch: int, seed: int = 3) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [7] if batch == 1 else [5, 12, 8][:batch]
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def perturbed_copy(model, scale: float = 0.05, seed: int = 7):
+    """A draft model that mostly agrees with the target (high acceptance, but not always)."""
+    draft = tiny_model(model.config.model_type)
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0))
+    return draft
+
+
+DRAFTERS = {
+    "ngram": lambda target: "ngram",
+    "draft_model": lambda target: perturbed_copy(target),
+    "unrelated_draft_model": lambda target: tiny_model(target.config.model_type, seed=11),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter", list(DRAFTERS))
+def test_greedy_equals_target_generate(arch, drafter, batch):
+    target = tiny_model(arch)
+    ids, mask = left_pad(prompts(batch))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    model = SelfSpecModel(target, DRAFTERS[drafter](target))
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=24)
+    assert got.shape == expected.shape
+    assert torch.equal(got, expected)
+    stats = model.last_stats
+    assert batch <= stats["new_tokens"] <= batch * 24
+    assert stats["mean_accepted_length"] >= 1
+    assert len(stats["accepted_lengths"]) >= stats["target_forwards"] - 1
+
+
+def test_batch_matches_each_prompt_alone(arch):
+    """Rows of a padded batch decode as they would alone (true semantics, sliding windows included)."""
+    target = tiny_model(arch)
+    seqs = prompts(3)
+    ids, mask = left_pad(seqs)
+    got = SelfSpecModel(target, perturbed_copy(target)).generate(ids, attention_mask=mask, max_new_tokens=30,
+                                                                 eos_token_id=[])
+    for row, seq in enumerate(seqs):
+        alone = target.generate(torch.tensor([seq]), max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)
+        alone_new = alone[0, len(seq):]
+        assert got[row, ids.shape[1]:ids.shape[1] + len(alone_new)].tolist() == alone_new.tolist()
+
+
+def test_draft_model_copy_accepts_everything():
+    target = tiny_model("llama")
+    ids = torch.tensor([prompts(1)[0]])
+    model = SelfSpecModel(target, tiny_model("llama"))  # same seed: an exact copy
+    expected = target.generate(ids, max_new_tokens=21, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(ids, max_new_tokens=21, eos_token_id=[]), expected)
+    # 4 drafts + 1 bonus per verify: prefill gives 1 token, then 4 verifies of 5 tokens each.
+    assert model.last_stats["accepted_lengths"] == [5, 5, 5, 5]
+    assert model.last_stats["target_forwards"] == 5
+
+
+class ScriptedTree(Drafter):
+    """Proposes a fixed-shape tree whose nodes come from a reference continuation.
+
+    `paths` lists tree nodes as (depth, correct?) choices: a node on the reference path gets the
+    reference token, any other node gets a token the target would not choose.
+    """
+
+    def __init__(self, reference: list[int], parents: list[int], on_path: list[bool]):
+        self.reference, self.parents, self.on_path = reference, parents, on_path
+
+    def bind(self, target, sampling, batch_size):
+        super().bind(target, sampling, batch_size)
+        self.emitted = 0
+
+    def observe(self, step: TargetStep) -> None:
+        self.emitted += int(step.valid[0].sum()) if self.emitted else 1
+        self.root = step.next_tokens
+
+    def propose(self, budget):
+        depth = [0]
+        for p in self.parents[1:]:
+            depth.append(depth[p] + 1)
+        tokens = []
+        for node, d in enumerate(depth):
+            if node == 0:
+                tokens.append(int(self.root[0]))
+                continue
+            truth = self.reference[self.emitted - 1 + d] if self.emitted - 1 + d < len(self.reference) else 0
+            tokens.append(truth if self.on_path[node] else (truth + 1 + node) % VOCAB)
+        return DraftTree(tokens=torch.tensor([tokens]), parents=torch.tensor([self.parents]),
+                         valid=torch.ones(1, len(tokens), dtype=torch.bool))
+
+
+@pytest.mark.parametrize("case,parents,on_path,accepted", [
+    # never: two wrong siblings, each with a wrong child
+    ("never", [-1, 0, 0, 1, 2], [True, False, False, False, False], 1),
+    # always: the correct chain of depth 3 sits in the second branch
+    ("always", [-1, 0, 0, 2, 3], [True, False, True, True, True], 4),
+    # partly: correct at depth 1 and 2, then only wrong children
+    ("partly", [-1, 0, 1, 2, 2, 0], [True, True, True, False, False, False], 3),
+])
+def test_scripted_trees(case, parents, on_path, accepted):
+    target = tiny_model("qwen2")
+    ids = torch.tensor([prompts(1)[0]])
+    expected = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = expected[0, ids.shape[1]:].tolist()
+    model = SelfSpecModel(target, ScriptedTree(reference, parents, on_path))
+    got = model.generate(ids, max_new_tokens=30, eos_token_id=[])
+    assert torch.equal(got, expected)
+    steps = model.last_stats["accepted_lengths"]
+    assert all(s == accepted for s in steps[:-1]), steps  # the last step may be cut by max_new_tokens
+
+
+def test_ngram_speculates_on_repetitive_output():
+    target = tiny_model("gemma2")  # this random gemma2 falls into a repeating loop
+    ids = torch.tensor([prompts(1)[0]])
+    model = SelfSpecModel(target, NgramDrafter(num_tokens=8))
+    expected = target.generate(ids, max_new_tokens=60, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(model.generate(ids, max_new_tokens=60, eos_token_id=[]), expected)
+    assert model.last_stats["mean_accepted_length"] > 3.0
+
+
+def test_ngram_lookup_finds_latest_match():
+    d = NgramDrafter(num_tokens=3, max_ngram=2)
+    ctx = torch.tensor([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
+    assert d._lookup(ctx, 3).tolist() == [9, 1, 5]
+    assert d._lookup(ctx, 5).tolist() == [7, 8, 5, 6, 9]  # the later match has only 4 tokens after it
+    assert d._lookup(torch.tensor([1, 2, 3]), 3).tolist() == []
+
+
+def test_eos_stops_rows_and_pads_like_generate():
+    target = tiny_model("qwen3")  # emits its eos (2) early for these prompts
+    ids, mask = left_pad(prompts(3, seed=5))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    got = SelfSpecModel(target, perturbed_copy(target)).generate(ids, attention_mask=mask, max_new_tokens=20)
+    assert torch.equal(got, expected)
+
+
+def test_several_eos_ids():
+    target = tiny_model("llama")
+    ids = torch.tensor([prompts(1)[0]])
+    free = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    new = free[0, ids.shape[1]:].tolist()
+    stops = [new[5], new[9]]
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=stops, pad_token_id=0)
+    got = SelfSpecModel(target, tiny_model("llama")).generate(ids, max_new_tokens=20, eos_token_id=stops,
+                                                              pad_token_id=0)
+    assert torch.equal(got, expected)
+    assert got.shape[1] == ids.shape[1] + 6
+
+
+def test_context_length_caps_generation():
+    target = tiny_model("llama", max_position_embeddings=16)
+    ids = torch.tensor([prompts(1)[0]])  # 7 tokens
+    got = SelfSpecModel(target, "ngram").generate(ids, max_new_tokens=50, eos_token_id=[])
+    assert got.shape[1] == 16
+
+
+def test_streamer_sees_every_token():
+    class Collect:
+        def __init__(self):
+            self.chunks = []
+            self.ended = False
+
+        def put(self, value):
+            self.chunks.append(value.tolist())
+
+        def end(self):
+            self.ended = True
+
+    target = tiny_model("llama")
+    ids = torch.tensor([prompts(1)[0]])
+    streamer = Collect()
+    got = SelfSpecModel(target, tiny_model("llama")).generate(ids, max_new_tokens=12, streamer=streamer,
+                                                              eos_token_id=[])
+    assert streamer.chunks[0] == ids.tolist()
+    assert sum(streamer.chunks[1:], []) == got[0, ids.shape[1]:].tolist()
+    assert streamer.ended
+
+
+def test_text_streamer_from_transformers(capsys):
+    from transformers import TextStreamer
+
+    class Tok:  # the least a TextStreamer needs
+        def decode(self, ids, **kw):
+            return "".join(f"<{i}>" for i in ids)
+
+    target = tiny_model("llama")
+    ids = torch.tensor([prompts(1)[0]])
+    got = SelfSpecModel(target, "ngram").generate(ids, max_new_tokens=6, eos_token_id=[],
+                                                  streamer=TextStreamer(Tok(), skip_prompt=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == "".join(f"<{i}>" for i in got[0, ids.shape[1]:].tolist())
+
+
+def test_typical_acceptance_is_opt_in():
+    target = tiny_model("llama")
+    assert SelfSpecModel(target, "ngram").typical_acceptance is False
+    ids = torch.tensor([prompts(1)[0]])
+    out = SelfSpecModel(target, perturbed_copy(target), typical_acceptance=True).generate(
+        ids, max_new_tokens=10, do_sample=True, eos_token_id=[], generator=torch.Generator().manual_seed(0))
+    assert out.shape == (1, ids.shape[1] + 10)
+
+
+# ------------------------------------------------------------------ bad input
+@pytest.fixture(scope="module")
+def llama():
+    return tiny_model("llama")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "non-empty prompt"),
+    (dict(input_ids=torch.ones(1, 5, dtype=torch.long), max_new_tokens=0), "max_new_tokens"),
+    (dict(input_ids=torch.ones(1, 5, dtype=torch.long), max_new_tokens=-3), "max_new_tokens"),
+    (dict(input_ids=torch.ones(1, 5, dtype=torch.long), attention_mask=torch.ones(1, 4)), "attention_mask shape"),
+    (dict(input_ids=torch.ones(1, 5, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1, 0, 0]])),
+     "left-padded"),
+    (dict(input_ids=torch.ones(2, 3, dtype=torch.long), attention_mask=torch.tensor([[1, 1, 1], [0, 0, 0]])),
+     "empty"),
+    (dict(input_ids=torch.ones(1, 300, dtype=torch.long)), "context"),
+    (dict(input_ids=torch.full((1, 3), VOCAB, dtype=torch.long)), "vocabulary"),
+    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, temperature=0.0), "temperature"),
+    (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, top_p=1.5), "top_p"),
+    (dict(input_ids=torch.ones(2, 3, dtype=torch.long), streamer=object()), "batch size 1"),
+])
+def test_bad_generate_input(llama, kwargs, match):
+    kwargs.setdefault("max_new_tokens", 5)
+    with pytest.raises(ValueError, match=match):
+        SelfSpecModel(llama, "ngram").generate(**kwargs)
+
+
+def test_float_ids_rejected(llama):
+    with pytest.raises(TypeError, match="LongTensor"):
+        SelfSpecModel(llama, "ngram").generate(torch.ones(1, 3), max_new_tokens=3)
+
+
+def test_unknown_drafter(llama):
+    with pytest.raises(ValueError, match="unknown drafter"):
+        SelfSpecModel(llama, "medusa-please")
+    with pytest.raises(TypeError, match="cannot draft"):
+        SelfSpecModel(llama, 42)
+
+
+def test_draft_model_with_other_vocab(llama):
+    with pytest.raises(ValueError, match="vocab_size"):
+        SelfSpecModel(llama, tiny_model("llama", vocab_size=VOCAB + 5))
+
+
+def test_unsupported_generation_config(llama):
+    from transformers import GenerationConfig
+
+    with pytest.raises(ValueError, match="num_beams"):
+        SelfSpecModel(llama, "ngram").generate(torch.ones(1, 3, dtype=torch.long),
+                                               generation_config=GenerationConfig(num_beams=4, max_new_tokens=3))
+
+
+def test_attention_without_4d_masks_is_switched_to_sdpa():
+    target = tiny_model("llama")
+    target.config._attn_implementation = "flash_attention_2"  # as if loaded that way; not installed here
+    with pytest.warns(UserWarning, match="switching the target to 'sdpa'"):
+        model = SelfSpecModel(target, "ngram")
+    assert model.target.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("arch_name", sorted(ARCHITECTURES))
+def test_eager_attention_too(arch_name):
+    target = tiny_model(arch_name, attn_implementation="eager")
+    ids, mask = left_pad(prompts(3))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+    got = SelfSpecModel(target, perturbed_copy(target)).generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(got, expected)
