@@ -110,6 +110,11 @@ def _coerce(name: str, value, source: str):
     origin = typing.get_origin(typ) or typ
     if isinstance(value, str) and origin is not str:
         value = yaml.safe_load(value) if value != "" else value
+    if isinstance(value, str) and origin is float:  # YAML 1.1 reads "2e-3" (no dot) as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     ok = {
         bool: lambda v: isinstance(v, bool),
         int: lambda v: isinstance(v, int) and not isinstance(v, bool),
