@@ -1,0 +1,247 @@
+"""Export to (and import from) the formats vLLM serves: speculators EAGLE-3 and vLLM Medusa.
+
+What was checked against which release is recorded in docs/export.md. Each exported config also carries a
+`selfspec` block (ignored by vLLM and speculators) with what the format itself does not record, such as
+the target's layer count, so that re-importing gives back the same drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.utils import cached_file
+
+from .base import check_weights_file
+from .eagle3 import Eagle3Config, Eagle3Model
+from .layers import arch_classes
+from .medusa import MedusaConfig, MedusaModel
+
+SPECULATORS_VERSION = "0.2.0"  # the speculators format generation these configs follow (see docs/export.md)
+
+# The decoder-layer weights of a speculators EAGLE-3 layer ("layers.0." + name), Llama names.
+LLAMA_LAYER_WEIGHTS = (
+    "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",
+    "input_layernorm.weight", "post_attention_layernorm.weight",
+)
+ATTENTION_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",
+                    "self_attn.o_proj.bias")
+# Config fields of a Llama decoder layer that carry over from the drafter's layer config.
+LLAMA_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                      "hidden_act", "rms_norm_eps", "max_position_embeddings", "mlp_bias", "initializer_range",
+                      "bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _read_folder(path_or_id, **hub_kwargs) -> tuple[dict, dict[str, torch.Tensor]]:
+    config_file = cached_file(path_or_id, "config.json", **hub_kwargs)
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    return config, load_file(check_weights_file(path_or_id, **hub_kwargs))
+
+
+def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+
+
+def _check_keys(got, expected, what: str) -> None:
+    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+
+
+# ---- speculators EAGLE-3 -----------------------------------------------------------------------------------
+
+
+def export_speculators(model: Eagle3Model, out_dir) -> str:
+    """Write `model` as a speculators EAGLE-3 checkpoint (config.json + model.safetensors) vLLM can serve.
+
+    Only the paper layout exports (`input_mode="widen"`, a Llama-layout layer without extra parameters such
+    as Qwen3's q/k norms). The embedding is not written: vLLM and speculators then use the verifier's.
+    """
+    c = model.config
+    if c.input_mode != "widen":
+        raise ValueError(f"speculators EAGLE-3 has no '{c.input_mode}' input mode (used for "
+                         f"{c.target_model_type} layers): only input_mode='widen' drafters of Llama-layout "
+                         "architectures export; keep this drafter in the selfspec format")
+    if c.fc_bias:
+        raise ValueError("speculators EAGLE-3 has no fc bias; this drafter was built with fc_bias=True")
+    layer_sd = model.layers[0].state_dict()
+    expected = set(LLAMA_LAYER_WEIGHTS) | {k for k in ATTENTION_BIASES if k in layer_sd}
+    extra = sorted(set(layer_sd) - expected)
+    if extra:
+        raise ValueError(f"the {c.target_model_type} decoder layer has parameters a Llama-style speculators layer "
+                         f"lacks: {extra}; this drafter cannot be exported to speculators")
+    biases = [k for k in ATTENTION_BIASES if k in layer_sd]
+    tensors = {f"layers.0.{k}": v for k, v in layer_sd.items()}
+    if biases:  # Llama's attention_bias covers q, k, v and o alike: write an exact zero bias where absent
+        for k in ATTENTION_BIASES:
+            if k not in layer_sd:
+                out_features = layer_sd[k.replace(".bias", ".weight")].shape[0]
+                tensors[f"layers.0.{k}"] = torch.zeros(out_features, dtype=layer_sd[biases[0]].dtype)
+    tensors.update({
+        "layers.0.hidden_norm.weight": model.hidden_norm.weight,
+        "fc.weight": model.fc.weight, "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight,
+        "d2t": model.d2t, "t2d": model.t2d,
+    })
+    _write_folder(out_dir, _speculators_config(model, attention_bias=bool(biases)), tensors)
+    return os.fspath(out_dir)
+
+
+def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
+    c = model.config
+    layer = model.layers[0]
+    lc = c.layer_config
+    rope = dict(layer.self_attn.config.rope_parameters or {})
+    layer_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+                    "vocab_size": c.target_vocab_size, "tie_word_embeddings": False,
+                    "attention_bias": attention_bias, "rope_theta": rope.get("rope_theta", 10000.0)}
+    layer_config.update({k: lc[k] for k in LLAMA_LAYER_FIELDS if lc.get(k) is not None})
+    layer_config.setdefault("head_dim", layer.self_attn.head_dim)
+    layer_config.setdefault("num_key_value_heads", layer_config["num_attention_heads"])
+    if rope.get("rope_type", "default") != "default":
+        layer_config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    depth = c.tree["depth"] if c.tree["mode"] == "dynamic" else max(len(p) for p in c.tree["paths"])
+    verifier_arch = arch_classes(c.target_model_type).causal_lm.__name__ if c.target_model_type else None
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer_config,
+        "draft_vocab_size": c.draft_vocab_size,
+        "norm_before_residual": c.norm_before_residual,  # always explicit: vLLM's default when absent is True
+        "target_hidden_size": c.target_hidden_size,
+        "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "default_proposal_method": "greedy",
+            "verifier": {"name_or_path": c.base_model_name_or_path,
+                         "architectures": [verifier_arch] if verifier_arch else []},
+        },
+        "selfspec": _selfspec_block(c, attn_implementation=c.attn_implementation),
+    }
+
+
+def _selfspec_block(c, **extra) -> dict:
+    keys = ("base_model_name_or_path", "target_model_type", "target_hidden_size", "target_vocab_size",
+            "target_num_layers", "tokenizer_fingerprint", "tree", "training", "metrics")
+    return {**{k: getattr(c, k) for k in keys}, **extra}
+
+
+def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
+    """Load a speculators EAGLE-3 checkpoint as an `Eagle3Model` (its decoder layer is a Llama layer).
+
+    What the format does not record (the target's model type and layer count) comes from the `selfspec`
+    block written by `export_speculators`, or from `target` (a model or config) when given.
+    """
+    from .base import DrafterConfig
+
+    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    if config.get("speculators_model_type") != "eagle3":
+        raise ValueError(f"{path_or_id} is not a speculators EAGLE-3 checkpoint (speculators_model_type="
+                         f"{config.get('speculators_model_type')!r})")
+    layer_config = dict(config["transformer_layer_config"])
+    layer_config.pop("architectures", None)
+    if layer_config.get("model_type", "llama") != "llama":
+        raise ValueError(f"only Llama-style transformer_layer_config imports, got {layer_config['model_type']!r}")
+    if "rope_scaling" in layer_config and layer_config["rope_scaling"]:
+        layer_config["rope_parameters"] = {**layer_config.pop("rope_scaling"),
+                                           "rope_theta": layer_config.pop("rope_theta", 10000.0)}
+    fields = dict(config.get("selfspec") or {})
+    attn = fields.pop("attn_implementation", None) or "sdpa"
+    if target is not None:
+        fields.update(DrafterConfig.target_fields(target))
+    fields.setdefault("target_hidden_size", config.get("target_hidden_size") or layer_config["hidden_size"])
+    fields.setdefault("target_vocab_size", layer_config["vocab_size"])
+    fields.setdefault("base_model_name_or_path",
+                      config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
+    if not config.get("eagle_aux_hidden_state_layer_ids") and fields.get("target_num_layers") is None:
+        raise ValueError(f"{path_or_id} records no eagle_aux_hidden_state_layer_ids; pass target= so the "
+                         "default feature layers can be derived from its layer count")
+    eagle3 = Eagle3Config(layer_config=layer_config, attn_implementation=attn, input_mode="widen",
+                          feature_layers=config.get("eagle_aux_hidden_state_layer_ids"),
+                          draft_vocab_size=config["draft_vocab_size"],
+                          norm_before_residual=config.get("norm_before_residual", True), fc_bias=False, **fields)
+    model = Eagle3Model(eagle3)
+    renamed = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()}
+    renamed.pop("embed_tokens.weight", None)  # we use the target's own embedding
+    _check_keys(renamed, model.state_dict(), f"speculators checkpoint {path_or_id}")
+    model.load_state_dict(renamed, strict=True)
+    return model.eval()
+
+
+# ---- vLLM Medusa --------------------------------------------------------------------------------------------
+
+
+def export_medusa_vllm(model: MedusaModel, out_dir) -> str:
+    """Write `model` in vLLM's Medusa format: `blocks.{i}.layers.{j}.{weight,bias}`, `lm_heads.{i}.weight`.
+
+    With `share_lm_head` the config says `original_lm_head: true` and `lm_heads.0.weight` holds the target's
+    lm_head, so the model must be attached to its target.
+    """
+    c = model.config
+    if c.projection_bias:
+        raise ValueError("vLLM's Medusa lm_heads have no bias; this drafter was built with projection_bias=True")
+    tensors = {}
+    for i, head in enumerate(model.heads):
+        for j, block in enumerate(head.blocks):
+            tensors[f"blocks.{i}.layers.{j}.weight"] = block.weight
+            tensors[f"blocks.{i}.layers.{j}.bias"] = block.bias
+        if head.lm_head is not None:
+            tensors[f"lm_heads.{i}.weight"] = head.lm_head.weight
+    if c.share_lm_head:
+        tensors["lm_heads.0.weight"] = model._require_target("exporting a shared lm_head")["lm_head"].weight
+    config = {
+        "model_type": "medusa", "architectures": ["MedusaModel"],
+        "hidden_size": c.target_hidden_size, "vocab_size": c.target_vocab_size,
+        "truncated_vocab_size": c.target_vocab_size, "num_heads": c.num_heads, "num_hidden_layers": c.num_layers,
+        "medusa_fc_bias": True, "original_lm_head": c.share_lm_head,
+        "selfspec": _selfspec_block(c),
+    }
+    _write_folder(out_dir, config, tensors)
+    return os.fspath(out_dir)
+
+
+def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
+    """Load a vLLM-format Medusa checkpoint (also with Medusa's own `medusa_num_heads`/`medusa_num_layers`
+    config keys) as a `MedusaModel`. Blocks saved without bias (`medusa_fc_bias: false`) get zero biases."""
+    from .base import DrafterConfig
+
+    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    if config.get("model_type") != "medusa":
+        raise ValueError(f"{path_or_id} is not a vLLM Medusa checkpoint (model_type={config.get('model_type')!r})")
+    num_heads = config.get("num_heads", config.get("medusa_num_heads"))
+    num_layers = config.get("num_hidden_layers", config.get("medusa_num_layers", 1))
+    if config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"]:
+        raise ValueError("Medusa checkpoints with a truncated vocabulary (token_map) are not supported")
+    fields = dict(config.get("selfspec") or {})
+    if target is not None:
+        fields.update(DrafterConfig.target_fields(target))
+    fields.setdefault("target_hidden_size", config["hidden_size"])
+    fields.setdefault("target_vocab_size", config["vocab_size"])
+    share = bool(config.get("original_lm_head", False))
+    model = MedusaModel(MedusaConfig(num_heads=num_heads, num_layers=num_layers, share_lm_head=share, **fields))
+    state = {}
+    for i in range(num_heads):
+        for j in range(num_layers):
+            w = tensors.pop(f"blocks.{i}.layers.{j}.weight", None)
+            b = tensors.pop(f"blocks.{i}.layers.{j}.bias", None)
+            if w is not None and b is None and not config.get("medusa_fc_bias", False):
+                b = torch.zeros(w.shape[0], dtype=w.dtype)
+            state.update({f"heads.{i}.blocks.{j}.weight": w, f"heads.{i}.blocks.{j}.bias": b})
+        if not share:
+            state[f"heads.{i}.lm_head.weight"] = tensors.pop(f"lm_heads.{i}.weight", None)
+    if share:
+        tensors.pop("lm_heads.0.weight", None)  # the target's own lm_head: bound by attach(), not loaded
+    state = {k: v for k, v in state.items() if v is not None}
+    _check_keys({**state, **tensors}, model.state_dict(), f"Medusa checkpoint {path_or_id}")
+    model.load_state_dict(state, strict=True)
+    return model.eval()

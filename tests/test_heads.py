@@ -1,0 +1,510 @@
+"""Drafter kinds (heads/): build, forward, save/load safety, target checks, export formats, drafting trees, and
+end-to-end greedy equivalence through the engine, over tiny targets of every architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from conftest import ARCHITECTURES, tiny_model
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
+
+import heads
+from heads.eagle3 import build_vocab_map
+from heads.export import export_medusa_vllm, export_speculators, import_medusa_vllm, import_speculators
+from infer.drafting import TargetStep
+from infer.engine import SelfSpecModel
+from infer.sampling import SamplingParams
+
+KINDS = ["medusa", "eagle", "eagle3"]
+ARCHS = list(ARCHITECTURES)
+CASES = [(kind, arch) for kind in KINDS for arch in ARCHS]
+WIDEN_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # Llama-layout layers: EAGLE-3's paper layout
+SPECULATORS_ARCHS = ["llama", "qwen2", "mistral"]  # ... of which export to speculators' Llama layer
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models gain nothing from intra-op threads, and on a shared, loaded machine the thread pool's
+    # spinning makes each matmul ~100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+_TARGETS: dict = {}
+
+
+def target_for(arch: str):
+    if arch not in _TARGETS:
+        _TARGETS[arch] = tiny_model(arch)
+    return _TARGETS[arch]
+
+
+def perturb(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """Move every float weight off its initial value (zero-initialised blocks, unit norms), so round trips
+    compare something."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def features(target, drafter, ids, mask=None):
+    out = target(ids, attention_mask=mask, output_hidden_states=True)
+    return out, tuple(out.hidden_states[i] for i in drafter.feature_layers)
+
+
+def run(drafter, target, ids):
+    """The drafter's outputs on a prompt (logits for Medusa; (hidden, logits) for EAGLE kinds)."""
+    _, feats = features(target, drafter, ids)
+    if drafter.kind == "medusa":
+        return drafter(feats[0])
+    return drafter(ids, drafter.fuse_features(feats))
+
+
+def assert_same(a, b):
+    for x, y in zip(a if isinstance(a, tuple) else (a,), b if isinstance(b, tuple) else (b,), strict=True):
+        assert torch.equal(x, y)
+
+
+# ---- registry and build -------------------------------------------------------------------------------------
+
+
+def test_registry_lists_the_three_kinds():
+    assert set(heads.REGISTRY) == {"medusa", "eagle", "eagle3"}
+    with pytest.raises(ValueError, match="already registered"):
+        heads.register("medusa", heads.MedusaConfig, heads.MedusaModel)
+
+
+def test_build_rejects_unknown_kind_and_options():
+    config = target_for("llama").config
+    with pytest.raises(ValueError, match="unknown drafter kind 'hydra'"):
+        heads.build("hydra", config)
+    with pytest.raises(ValueError, match=r"unknown medusa options \['num_hedas'\]"):
+        heads.build("medusa", config, num_hedas=3)
+    with pytest.raises(ValueError, match="unknown tree settings"):
+        heads.build("eagle", config, tree={"depht": 3})
+    with pytest.raises(ValueError, match="deeper than num_heads"):
+        heads.build("medusa", config, num_heads=2, tree={"paths": [[0], [0, 0], [0, 0, 0]]})
+    with pytest.raises(ValueError, match="feature_layers"):
+        heads.build("eagle3", config, feature_layers=[1, 9])
+    with pytest.raises(ValueError, match="input_mode='widen' needs a Llama-layout layer"):
+        heads.build("eagle3", target_for("gpt2").config, input_mode="widen")
+
+
+@pytest.mark.parametrize(("kind", "arch"), CASES)
+def test_forward_shapes(kind, arch):
+    target = target_for(arch)
+    drafter = heads.build(kind, target)
+    ids = torch.randint(3, 96, (2, 5))
+    out = run(drafter, target, ids)
+    L, V, D = target.config.num_hidden_layers, target.config.vocab_size, target.config.hidden_size
+    if kind == "medusa":
+        assert drafter.feature_layers == (L,)
+        assert out.shape == (4, 2, 5, V)
+    else:
+        hidden, logits = out
+        assert hidden.shape == (2, 5, D)
+        assert logits.shape == (2, 5, V if kind == "eagle" else drafter.config.draft_vocab_size)
+        assert drafter.feature_layers == ((L,) if kind == "eagle" else (2, L // 2, L - 3))
+    if kind == "eagle3":
+        assert drafter.config.input_mode == ("widen" if arch in WIDEN_ARCHS else "project")
+
+
+def test_fresh_medusa_head_is_the_lm_head():
+    target = target_for("llama")
+    for share in (False, True):
+        drafter = heads.build("medusa", target, share_lm_head=share)
+        hidden = torch.randn(1, 3, 32)
+        for logits in drafter(hidden):
+            assert torch.allclose(logits, target.lm_head(hidden))
+
+
+@pytest.mark.parametrize(("kind", "arch"), [(k, a) for k in ("eagle", "eagle3") for a in ARCHS])
+def test_cached_forward_matches_one_block(kind, arch):
+    """The decoder layer of the target's class, called with our masks, positions and cache, is causal and
+    consistent: a prefix then the rest through the cache equals the whole sequence at once."""
+    target = target_for(arch)
+    drafter = perturb(heads.build(kind, target))
+    ids = torch.randint(3, 96, (1, 6))
+    _, feats = features(target, drafter, ids)
+    h = drafter.fuse_features(feats)
+    full_hidden, full_logits = drafter(ids, h)
+    cache = DynamicCache()
+    drafter(ids[:, :4], h[:, :4], past_key_values=cache)
+    tail_hidden, tail_logits = drafter(ids[:, 4:], h[:, 4:], past_key_values=cache)
+    torch.testing.assert_close(tail_hidden, full_hidden[:, 4:], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(tail_logits, full_logits[:, 4:], rtol=1e-4, atol=1e-5)
+
+
+def test_eagle3_training_time_test_unrolls_with_gradients():
+    target = target_for("llama")
+    drafter = heads.build("eagle3", target).train()
+    ids = torch.randint(3, 96, (1, 5))
+    _, feats = features(target, drafter, ids)
+    cache = DynamicCache()
+    hidden, logits = drafter(ids, drafter.fuse_features(feats).detach(), past_key_values=cache)
+    # Step 2: feed own outputs; each position sees step 1's prefix and its own step-1 entry.
+    t = ids.shape[1]
+    allowed = torch.cat([torch.ones(t, t).tril(), torch.eye(t)], dim=1).bool()
+    mask = torch.zeros(1, 1, t, 2 * t).masked_fill(~allowed, torch.finfo(torch.float32).min)
+    next_ids = drafter.draft_to_target(logits.argmax(-1))
+    hidden2, logits2 = drafter(next_ids, hidden, attention_mask=mask, past_key_values=cache,
+                               position_ids=torch.arange(1, t + 1)[None])
+    assert logits2.shape == logits.shape
+    (logits.logsumexp(-1).mean() + logits2.logsumexp(-1).mean()).backward()
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"\[B, T, 96\].*\[B, T, 32\]"):
+        drafter(ids, torch.zeros(1, 5, 64))
+
+
+def test_build_vocab_map():
+    counts = torch.tensor([5, 0, 9, 9, 1, 7])
+    d2t, t2d = build_vocab_map(counts, 3)
+    assert (torch.arange(3) + d2t).tolist() == [2, 3, 5]  # top-3 by count, ties to the lower id, id order
+    assert t2d.tolist() == [False, False, True, True, False, True]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_vocab_map(counts, 7)
+
+    counts = torch.zeros(96, dtype=torch.long)
+    counts[[7, 50, 90]] = torch.tensor([3, 2, 1])
+    d2t, t2d = build_vocab_map(counts, 3)
+    drafter = heads.build("eagle3", target_for("llama"), draft_vocab_size=3)
+    drafter.set_vocab_map(d2t, t2d)
+    assert drafter.draft_to_target(torch.tensor([0, 1, 2])).tolist() == [7, 50, 90]
+    with pytest.raises(ValueError, match="disagree"):
+        drafter.set_vocab_map(d2t + 1, t2d)
+    with pytest.raises(ValueError, match="shapes"):
+        drafter.set_vocab_map(d2t, t2d[:6])
+
+
+# ---- saving and loading ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "arch"), CASES)
+def test_save_load_round_trip_holds_only_drafter_weights(kind, arch, tmp_path):
+    target = target_for(arch)
+    drafter = perturb(heads.build(kind, target.config)).attach(target)
+    drafter.save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == ["README.md", "config.json", "model.safetensors"]
+    saved = load_file(tmp_path / "model.safetensors")
+    assert set(saved) == set(drafter.state_dict())
+    assert not any(name.endswith(("embed_tokens.weight", "wte.weight", "embed_in.weight")) for name in saved)
+    target_tensors = list(target.state_dict().values())
+    for name, _ in drafter.named_parameters():  # no target weight (embeddings, lm_head, layers) was written
+        tensor = saved[name]
+        assert not any(t.shape == tensor.shape and torch.equal(t, tensor) for t in target_tensors), name
+    loaded = heads.load(tmp_path).attach(target)
+    assert type(loaded) is type(drafter)
+    ids = torch.randint(3, 96, (2, 5))
+    assert_same(run(loaded, target, ids), run(drafter, target, ids))
+
+
+def _fake_hub_cache(cache, repo_id: str, folder) -> None:
+    repo = cache / f"models--{repo_id.replace('/', '--')}"
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(folder, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_load_from_hub_cache_offline(kind, tmp_path, monkeypatch):
+    import huggingface_hub.constants
+
+    target = target_for("llama")
+    drafter = perturb(heads.build(kind, target))
+    drafter.save_pretrained(tmp_path / "saved")
+    _fake_hub_cache(tmp_path / "hub", "someone/tiny-drafter", tmp_path / "saved")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    loaded = heads.load("someone/tiny-drafter", cache_dir=tmp_path / "hub").attach(target)
+    ids = torch.randint(3, 96, (1, 4))
+    assert_same(run(loaded, target, ids), run(drafter, target, ids))
+
+
+@pytest.fixture
+def saved_eagle(tmp_path):
+    drafter = heads.build("eagle", target_for("llama"))
+    drafter.save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_key_is_an_error(saved_eagle):
+    tensors = load_file(saved_eagle / "model.safetensors")
+    del tensors["fc.weight"]
+    save_file(tensors, saved_eagle / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="missing_keys.*fc.weight"):
+        heads.load(saved_eagle)
+
+
+def test_unexpected_key_is_an_error(saved_eagle):
+    tensors = load_file(saved_eagle / "model.safetensors")
+    tensors["extra.weight"] = torch.zeros(2)
+    save_file(tensors, saved_eagle / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="unexpected_keys.*extra.weight"):
+        heads.load(saved_eagle)
+
+
+def test_truncated_safetensors_names_the_file(saved_eagle):
+    path = saved_eagle / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=f"corrupt or truncated safetensors file {path}"):
+        heads.load(saved_eagle)
+    path.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
+    with pytest.raises(ValueError, match="corrupt or truncated"):
+        heads.load(saved_eagle)
+
+
+def test_pickle_only_folder_is_refused(saved_eagle):
+    state = load_file(saved_eagle / "model.safetensors")
+    os.remove(saved_eagle / "model.safetensors")
+    torch.save(state, saved_eagle / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="only pickled weights .*pytorch_model.bin"):
+        heads.load(saved_eagle)
+    with pytest.raises(ValueError, match="safetensors only"):
+        heads.EagleModel.from_pretrained(saved_eagle, use_safetensors=False)
+
+
+def test_load_points_foreign_formats_to_the_importers(tmp_path):
+    export_medusa_vllm(heads.build("medusa", target_for("llama")), tmp_path)
+    with pytest.raises(ValueError, match="import_medusa_vllm"):
+        heads.load(tmp_path)
+
+
+def test_model_card_is_written(tmp_path):
+    target = target_for("llama")
+    drafter = heads.build("eagle", target.config, base_model_name_or_path="HuggingFaceTB/SmolLM2-135M",
+                          training={"data": "tatsu-lab/alpaca", "steps": 1200},
+                          metrics={"mean_accepted_length": 2.7, "speedup": 1.9})
+    drafter.save_pretrained(tmp_path)
+    card = (tmp_path / "README.md").read_text()
+    for text in ("base_model: HuggingFaceTB/SmolLM2-135M", "- eagle", "EAGLE-1/2 drafter", "datasets:",
+                 "tatsu-lab/alpaca", "steps: 1200", "mean_accepted_length: 2.7", "speedup: 1.9"):
+        assert text in card
+    loaded = heads.load(tmp_path)
+    assert loaded.config.metrics == {"mean_accepted_length": 2.7, "speedup": 1.9}
+
+
+# ---- target checks ----------------------------------------------------------------------------------------------
+
+
+class FakeTokenizer:
+    def __init__(self, vocab: dict[str, int], special=("<s>",)):
+        self.vocab, self.all_special_tokens = vocab, list(special)
+
+    def get_vocab(self):
+        return dict(self.vocab)
+
+
+def test_tokenizer_fingerprint():
+    a = FakeTokenizer({"a": 0, "b": 1})
+    assert heads.tokenizer_fingerprint(a) == heads.tokenizer_fingerprint(FakeTokenizer({"b": 1, "a": 0}))
+    assert heads.tokenizer_fingerprint(a) != heads.tokenizer_fingerprint(FakeTokenizer({"a": 1, "b": 0}))
+    assert heads.tokenizer_fingerprint(a) != heads.tokenizer_fingerprint(FakeTokenizer({"a": 0, "b": 1}, ["</s>"]))
+    assert len(heads.tokenizer_fingerprint(a)) == 16
+
+
+@pytest.mark.parametrize(("other", "message"), [
+    (dict(hidden_size=48), "hidden size: drafter built for 32, target has 48"),
+    (dict(vocab_size=128), "vocab size: drafter built for 96, target has 128"),
+    (dict(num_hidden_layers=3), "layer count: drafter built for 4, target has 3"),
+    (dict(model_type="qwen2"), "model_type: drafter built for 'llama', target has 'qwen2'"),
+])
+@pytest.mark.parametrize("kind", KINDS)
+def test_wrong_target_is_named(kind, other, message):
+    drafter = heads.build(kind, target_for("llama").config)
+    other = dict(other)
+    wrong = tiny_model(other.pop("model_type", "llama"), **other)
+    with pytest.raises(ValueError, match=message):
+        drafter.check_target(wrong)
+    with pytest.raises(ValueError, match=message):
+        SelfSpecModel(wrong, drafter)
+
+
+def test_wrong_tokenizer_is_named():
+    target = target_for("llama")
+    drafter = heads.build("medusa", target.config, tokenizer=FakeTokenizer({"a": 0}))
+    drafter.check_target(target, FakeTokenizer({"a": 0}))
+    drafter.check_target(target)  # unknown tokenizer: nothing to compare
+    with pytest.raises(ValueError, match="tokenizer fingerprint: drafter trained with"):
+        drafter.attach(target, FakeTokenizer({"b": 0}))
+
+
+def test_target_parts_are_required_until_attached():
+    drafter = heads.build("eagle", target_for("llama").config)
+    with pytest.raises(RuntimeError, match=r"call drafter.attach\(target\) first"):
+        drafter(torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 2, 32))
+    assert not any("embed" in name for name in drafter.state_dict())
+
+
+# ---- export formats ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", SPECULATORS_ARCHS)
+def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
+    target = target_for(arch)
+    drafter = perturb(heads.build("eagle3", target))
+    export_speculators(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["speculators_model_type"] == "eagle3"
+    assert config["architectures"] == ["Eagle3Speculator"]
+    assert config["draft_vocab_size"] == 96 and config["norm_before_residual"] is False
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    layer = config["transformer_layer_config"]
+    assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 96
+    spec = config["speculators_config"]
+    assert spec["algorithm"] == "eagle3" and spec["default_proposal_method"] == "greedy"
+    assert spec["proposal_methods"][0]["proposal_type"] == "greedy"
+    assert spec["proposal_methods"][0]["speculative_tokens"] == 6
+    assert spec["verifier"]["architectures"] == [type(target).__name__]
+    d, heads_, kv_heads = 32, 4, 2
+    hd = layer["head_dim"]
+    expected = {
+        "fc.weight": (d, 3 * d),
+        "layers.0.self_attn.q_proj.weight": (heads_ * hd, 2 * d),
+        "layers.0.self_attn.k_proj.weight": (kv_heads * hd, 2 * d),
+        "layers.0.self_attn.v_proj.weight": (kv_heads * hd, 2 * d),
+        "layers.0.self_attn.o_proj.weight": (d, heads_ * hd),
+        "layers.0.mlp.gate_proj.weight": (64, d), "layers.0.mlp.up_proj.weight": (64, d),
+        "layers.0.mlp.down_proj.weight": (d, 64),
+        "layers.0.input_layernorm.weight": (d,), "layers.0.hidden_norm.weight": (d,),
+        "layers.0.post_attention_layernorm.weight": (d,),
+        "norm.weight": (d,), "lm_head.weight": (96, d), "d2t": (96,), "t2d": (96,),
+    }
+    if arch == "qwen2":  # q/k/v biases; Llama's attention_bias also needs o's (written as zeros)
+        expected.update({"layers.0.self_attn.q_proj.bias": (heads_ * hd,),
+                         "layers.0.self_attn.k_proj.bias": (kv_heads * hd,),
+                         "layers.0.self_attn.v_proj.bias": (kv_heads * hd,),
+                         "layers.0.self_attn.o_proj.bias": (d,)})
+    assert layer["attention_bias"] is (arch == "qwen2")
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        assert f.get_slice("d2t").get_dtype() == "I64" and f.get_slice("t2d").get_dtype() == "BOOL"
+    assert shapes == expected
+    reimported = import_speculators(tmp_path).attach(target)
+    ids = torch.randint(3, 96, (2, 5))
+    hidden, logits = run(reimported, target, ids)
+    ref_hidden, ref_logits = run(drafter.attach(target), target, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(("arch", "message"), [("qwen3", "q_norm"), ("gpt2", "no 'project' input mode"),
+                                               ("gemma2", "no 'project' input mode")])
+def test_speculators_export_refuses_other_layouts(arch, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        export_speculators(heads.build("eagle3", target_for(arch).config), tmp_path)
+
+
+@pytest.mark.parametrize("share", [False, True])
+def test_medusa_vllm_export_keys_shapes_and_reimport(share, tmp_path):
+    target = target_for("llama")
+    drafter = perturb(heads.build("medusa", target, share_lm_head=share, num_heads=3, num_layers=2))
+    export_medusa_vllm(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert {k: config[k] for k in ("model_type", "num_heads", "num_hidden_layers", "hidden_size", "vocab_size",
+                                   "truncated_vocab_size", "medusa_fc_bias", "original_lm_head")} == {
+        "model_type": "medusa", "num_heads": 3, "num_hidden_layers": 2, "hidden_size": 32, "vocab_size": 96,
+        "truncated_vocab_size": 96, "medusa_fc_bias": True, "original_lm_head": share}
+    expected = {f"blocks.{i}.layers.{j}.{p}": (32, 32) if p == "weight" else (32,)
+                for i in range(3) for j in range(2) for p in ("weight", "bias")}
+    expected.update({f"lm_heads.{i}.weight": (96, 32) for i in range(1 if share else 3)})
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == expected
+    reimported = import_medusa_vllm(tmp_path).attach(target)
+    hidden = torch.randn(2, 3, 32)
+    assert torch.equal(reimported(hidden), drafter(hidden))
+
+
+# ---- drafting adapters -------------------------------------------------------------------------------------------
+
+
+def prefill_step(target, drafter, ids, mask) -> TargetStep:
+    out, feats = features(target, drafter, ids, mask)
+    valid = mask.bool()
+    return TargetStep(tokens=ids, valid=valid, positions=(valid.long().cumsum(1) - 1).clamp(min=0), hidden=feats,
+                      next_tokens=out.logits[:, -1].argmax(-1))
+
+
+def check_tree(tree, budget, max_depth, max_nodes):
+    depth, _ = tree.depth_and_ancestors()
+    b, n = tree.tokens.shape
+    assert n <= max_nodes
+    assert (tree.parents[:, 0] == -1).all()
+    idx = torch.arange(n)
+    assert (tree.parents[:, 1:] < idx[1:]).all() and (tree.parents[:, 1:] >= 0).all()  # parents first
+    assert (depth[tree.valid] <= max_depth).all()
+    assert (depth <= budget[:, None]).logical_or(~tree.valid).all()
+    for row in range(b):
+        siblings = {}
+        for i in range(1, n):
+            if tree.valid[row, i]:
+                key = int(tree.parents[row, i])
+                siblings.setdefault(key, []).append(int(tree.tokens[row, i]))
+        for toks in siblings.values():
+            assert len(toks) == len(set(toks)), "sibling drafts must be distinct"
+    assert tree.q is None
+    assert ((tree.tokens >= 0) & (tree.tokens < 96)).all()
+
+
+TREE_CASES = [
+    ("medusa", "llama", {}, 4, 41),
+    ("medusa", "gpt2", {"paths": [[0], [1], [0, 0], [0, 1], [0, 0, 0]]}, 3, 6),
+    ("eagle", "llama", {}, 6, 49),
+    ("eagle", "gemma3_text", {"top_k": 3, "depth": 4, "total_tokens": 7}, 4, 8),
+    ("eagle", "gpt_neox", {"mode": "static"}, 6, 31),
+    ("eagle3", "qwen2", {}, 6, 49),
+    ("eagle3", "phi3", {"mode": "static", "paths": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}, 3, 6),
+]
+
+
+@pytest.mark.parametrize(("kind", "arch", "tree", "max_depth", "max_nodes"), TREE_CASES)
+def test_propose_builds_valid_trees(kind, arch, tree, max_depth, max_nodes):
+    target = target_for(arch)
+    drafter = heads.build(kind, target).as_drafter(**tree)
+    ids = torch.randint(3, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # left padding
+    drafter.bind(target, SamplingParams(), batch_size=2)
+    drafter.observe(prefill_step(target, drafter, ids, mask))
+    size = drafter.kv.size if kind != "medusa" else None
+    for budget in (torch.tensor([10, 10]), torch.tensor([2, 1]), torch.tensor([0, 0])):
+        tree_ = drafter.propose(budget)
+        check_tree(tree_, budget, max_depth, max_nodes)
+        assert torch.equal(tree_.tokens[:, 0], drafter.root)
+        if kind != "medusa":
+            assert drafter.kv.size == size  # drafted slots rolled back
+    if tree.get("mode", "dynamic") == "dynamic" and kind != "medusa":
+        full = drafter.propose(torch.tensor([10, 10]))
+        assert full.num_nodes == 1 + min(drafter.tree["total_tokens"],
+                                         drafter.tree["top_k"] + (max_depth - 1) * drafter.tree["top_k"] ** 2)
+
+
+# ---- end to end through the engine ------------------------------------------------------------------------------
+
+
+E2E_CASES = CASES + [("eagle", "llama", {"mode": "static"}), ("eagle3", "gemma2", {"mode": "static"})]
+
+
+@pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: "-".join(map(str, c[:2])) + ("-static" if len(c) > 2 else ""))
+def test_speculative_greedy_equals_target_generate(case):
+    kind, arch = case[:2]
+    tree = case[2] if len(case) > 2 else {}
+    target = target_for(arch)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                               pad_token_id=0)
+    drafter = heads.build(kind, target.config, tree=tree)
+    got = SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(got, expected)
