@@ -1,0 +1,198 @@
+"""The training loop on tiny targets: every drafter kind learns, offline features equal online ones, a killed
+and resumed run ends with the same weights as an uninterrupted one, DDP over 2 CPU processes, wandb offline,
+Medusa-2, and bad configs fail before any work."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from train_fixtures import conversations, save_tiny_target, write_messages, write_sharegpt
+
+import heads
+from train.config import load_config
+from train.train_heads import train
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models run fastest on one thread, and CI machines are shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    return {
+        "root": root,
+        "target": save_tiny_target(root / "target"),
+        "data": write_messages(root / "data.jsonl", conversations(48)),
+        "cache": str(root / "cache"),
+    }
+
+
+def run(workspace, out: str, **overrides) -> dict:
+    values = {"target": workspace["target"], "data": workspace["data"], "output_dir": str(workspace["root"] / out),
+              "feature_cache_dir": workspace["cache"], "batch_size": 8, "lr": 3e-3, "eval_fraction": 0.2,
+              "progress_bar": False, "log_every": 0, "eval_steps_depth": 2}
+    values.update(overrides)
+    return train(load_config(None, values))
+
+
+def mean_loss(history, part):
+    return sum(h["loss"] for h in part(history)) / len(part(history))
+
+
+@pytest.mark.parametrize("kind, loss, extra", [
+    ("medusa", "hard", {"drafter_options": {"num_heads": 3}, "lr": 2e-2}),
+    ("medusa", "soft", {"drafter_options": {"num_heads": 2, "share_lm_head": True}, "lr": 2e-2}),
+    ("eagle", "hard", {}),
+    ("eagle", "both", {"ttt_steps": 2, "feature_noise": 0.05}),
+    ("eagle3", "hard", {"ttt_steps": 3, "drafter_options": {"draft_vocab_size": 48}}),
+    ("eagle3", "soft", {"ttt_steps": 2}),
+])
+def test_loss_goes_down_and_drafter_is_saved(workspace, kind, loss, extra):
+    result = run(workspace, f"{kind}_{loss}", drafter=kind, loss=loss, max_steps=30, **extra)
+    history = result["history"]
+    assert len(history) == 30
+    first, last = mean_loss(history, lambda h: h[:5]), mean_loss(history, lambda h: h[-5:])
+    assert last < 0.9 * first, (first, last)
+    drafter = heads.load(result["drafter_dir"])
+    assert drafter.kind == kind
+    assert drafter.config.training["steps"] == 30 and drafter.config.training["loss"] == loss
+    metrics = drafter.config.metrics
+    assert 1.0 <= metrics["est_accept_len"] and "estimated" in metrics["note"]
+    name = "head" if kind == "medusa" else "step"
+    assert 0.0 <= metrics[f"{name}0/top1"] <= metrics[f"{name}0/top3"] <= 1.0
+
+
+def test_offline_features_give_the_same_loss_as_online(workspace):
+    common = dict(drafter="eagle", max_steps=4, loss="both", eval_fraction=0.2)
+    online = run(workspace, "online", features="online", **common)
+    offline = run(workspace, "offline", features="offline", **common)
+    assert any(Path(workspace["cache"]).iterdir())
+    for a, b in zip(online["history"], offline["history"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5)
+    assert online["eval"]["eval_loss"] == pytest.approx(offline["eval"]["eval_loss"], rel=1e-4)
+    # A second run reuses the finished cache instead of recomputing it.
+    again = run(workspace, "offline2", features="offline", **common)
+    assert again["history"][-1]["loss"] == offline["history"][-1]["loss"]
+
+
+def _weights(result):
+    return heads.load(result["drafter_dir"]).state_dict()
+
+
+@pytest.mark.parametrize("kind, extra", [
+    ("eagle3", {"ttt_steps": 2, "grad_accum": 2, "batch_size": 4}),
+    ("eagle", {"feature_noise": 0.1}),  # noise draws from the RNG, which the checkpoint must restore
+])
+def test_kill_and_resume_equals_uninterrupted(workspace, kind, extra):
+    # 38 training samples / (4 x 2) or / 8 = 4 steps an epoch: 7 steps cross an epoch boundary after resuming.
+    common = dict(drafter=kind, max_steps=7, save_every=3, **extra)
+    straight = run(workspace, f"straight_{kind}", **common)
+    halted = run(workspace, f"resumed_{kind}", halt_after_steps=3, **common)
+    assert halted["halted"] and halted["step"] == 3
+    assert not (workspace["root"] / f"resumed_{kind}" / "drafter").exists()
+    resumed = run(workspace, f"resumed_{kind}", resume=True, **common)
+    assert resumed["step"] == 7 and len(resumed["history"]) == 4
+    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][3:]]
+    a, b = _weights(straight), _weights(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_resume_without_checkpoint_is_an_error(workspace):
+    with pytest.raises(ValueError, match="no checkpoint"):
+        run(workspace, "never_saved", drafter="eagle", max_steps=2, resume=True)
+
+
+def test_medusa2_lora_joint_training(workspace):
+    result = run(workspace, "medusa2", drafter="medusa", max_steps=20, lora_r=4, lr=2e-3,
+                 drafter_options={"num_heads": 2})
+    history = result["history"]
+    assert all("target_kl" in h for h in history)
+    assert history[0]["target_kl"] == pytest.approx(0.0, abs=1e-6)  # LoRA starts as the identity
+    assert max(h["target_kl"] for h in history) < 0.5
+    assert mean_loss(history, lambda h: h[-5:]) < mean_loss(history, lambda h: h[:5])
+    folder = Path(result["drafter_dir"])
+    config = heads.load(folder).config
+    assert config.training["requires_lora_target"] and config.training["target_adapter"] == "target_adapter"
+    assert (folder / "target_adapter" / "adapter_config.json").is_file()
+    assert (folder / "target_adapter" / "adapter_model.safetensors").is_file()
+
+
+def test_wandb_offline_writes_run_dir(workspace, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run(workspace, "wandb", drafter="eagle", max_steps=3, report_to="wandb", log_every=1)
+    runs = list((workspace["root"] / "wandb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1
+    assert list(runs[0].glob("run-*.wandb")), list(runs[0].iterdir())
+
+
+def test_ddp_two_cpu_processes(workspace):
+    out = workspace["root"] / "ddp"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29517",
+           str(ROOT / "train" / "train_heads.py"), f"target={workspace['target']}", f"data={workspace['data']}",
+           "drafter=eagle", "max_steps=4", "batch_size=4", f"output_dir={out}", "progress_bar=false",
+           "eval_fraction=0.2", "ttt_steps=2"]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["step"] == 4
+    drafter = heads.load(out / "drafter")
+    assert drafter.config.training["world_size"] == 2
+
+
+# ---- bad configs fail before features or training ----------------------------------------------------------
+
+def test_drafter_that_does_not_fit_the_target(workspace, tmp_path):
+    small = run(workspace, "fit_small", drafter="eagle", max_steps=1)
+    other = save_tiny_target(tmp_path / "wide", hidden_size=48)
+    with pytest.raises(ValueError, match="does not fit the target"):
+        run(workspace, "fit_other", drafter="eagle", target=other, drafter_init=small["drafter_dir"], max_steps=1)
+    with pytest.raises(ValueError, match="holds a eagle drafter"):
+        run(workspace, "fit_kind", drafter="medusa", drafter_init=small["drafter_dir"], max_steps=1)
+
+
+def test_unknown_drafter_option(workspace):
+    with pytest.raises(ValueError, match="unknown eagle options"):
+        run(workspace, "bad_option", drafter="eagle", drafter_options={"num_heads": 3}, max_steps=1)
+
+
+def test_conversations_without_assistant_turns(workspace, tmp_path):
+    data = write_sharegpt(tmp_path / "d.json", [[{"role": "user", "content": "hi"}]] * 4)
+    with pytest.raises(ValueError, match="assistant"):
+        run(workspace, "no_assistant", drafter="eagle", data=data, max_steps=1)
+
+
+def test_target_tokenizer_without_chat_template(workspace, tmp_path):
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_target(tmp_path / "plain")
+    tok = AutoTokenizer.from_pretrained(folder)
+    tok.chat_template = None
+    (Path(folder) / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((Path(folder) / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (Path(folder) / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="chat template"):
+        run(workspace, "no_template", drafter="eagle", target=folder, max_steps=1)
+
+
+def test_every_sample_over_max_length(workspace):
+    with pytest.raises(ValueError, match="max_length"):
+        run(workspace, "too_long", drafter="eagle", max_length=8, max_steps=1)
