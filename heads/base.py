@@ -159,13 +159,14 @@ class DrafterModel(PreTrainedModel):
         return self._target
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The target's own input embedding (Gemma's scaled embedding modules include their sqrt(D) scale)."""
-        return self._require_target("embedding tokens")["embed"](input_ids)
+        """The target's own input embedding, in the drafter's dtype (Gemma's scaled embedding modules include
+        their sqrt(D) scale in the module, so it applies here as in the target)."""
+        return self._require_target("embedding tokens")["embed"](input_ids).to(self.dtype)
 
     def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The target's lm_head, with its final logit soft-capping when it has one (Gemma 2)."""
         t = self._require_target("the target lm_head")
-        logits = t["lm_head"](hidden)
+        logits = t["lm_head"](hidden.to(t["lm_head"].weight.dtype))
         if t["softcap"]:
             logits = torch.tanh(logits / t["softcap"]) * t["softcap"]
         return logits
@@ -282,9 +283,13 @@ class HeadDrafter(Drafter):
         self.model.check_target(target)
 
     def bind(self, target, sampling, batch_size: int) -> None:
-        """Attach the model to `target` (if not already), on the target's device and dtype, in eval mode."""
+        """Attach the model to `target` (if not already) and put it in eval mode (call `.train()` again to
+        resume training). The drafter keeps its own dtype; it must sit on the target's device."""
         super().bind(target, sampling, batch_size)
         if not self.model.attached_to(target):
             self.model.attach(target)
-        ref = target.get_input_embeddings().weight
-        self.model.to(device=ref.device, dtype=ref.dtype).eval()
+        device = target.get_input_embeddings().weight.device
+        if self.model.device != device:
+            raise ValueError(f"the drafter is on {self.model.device} but the target on {device}; move it with "
+                             f"drafter.to({str(device)!r})")
+        self.model.eval()

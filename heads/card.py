@@ -26,8 +26,9 @@ def write_model_card(folder, config, kind: str) -> str:
 
     title = KIND_TITLES.get(kind, kind)
     lines = [f"# {title} for {base or 'an unnamed target'}", "",
-             f"A {title} for self-speculative decoding with [selfspec]. It drafts tokens that the target "
-             "model then verifies, so generation is unchanged (greedy output is token-identical).", "",
+             f"{title} for self-speculative decoding with selfspec: it drafts tokens that the target model "
+             "then verifies, so generation is unchanged (greedy output is token-identical to the target's).",
+             "",
              "## Target", "",
              f"- base model: `{base or 'unknown'}`",
              f"- model type: `{config.target_model_type}`, hidden size {config.target_hidden_size}, "
@@ -38,7 +39,7 @@ def write_model_card(folder, config, kind: str) -> str:
     if config.training:
         lines += [f"- {k}: {v}" for k, v in config.training.items()]
     else:
-        lines.append("Not trained yet (freshly initialised heads).")
+        lines.append("Not trained yet (freshly initialised).")
     lines += ["", "## Measured", ""]
     if config.metrics:
         lines += [f"- {k}: {v}" for k, v in config.metrics.items()]

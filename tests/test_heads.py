@@ -508,3 +508,19 @@ def test_speculative_greedy_equals_target_generate(case):
     drafter = heads.build(kind, target.config, tree=tree)
     got = SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
     assert torch.equal(got, expected)
+
+
+def test_adapter_with_tree_overrides_and_a_bf16_target():
+    """A float32 drafter serves a bfloat16 target (inputs are cast at the boundary, the drafter is not
+    converted), and `as_drafter(**overrides)` goes straight to the engine."""
+    target = tiny_model("qwen2").to(torch.bfloat16)
+    ids = torch.randint(3, 96, (1, 6), generator=torch.Generator().manual_seed(2))
+    expected = target.generate(ids, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    for kind, overrides in (("eagle", {"top_k": 2, "depth": 3, "total_tokens": 5}),
+                            ("eagle3", {"mode": "static", "paths": [[0], [0, 0]]}),
+                            ("medusa", {"paths": [[0], [1], [0, 0]]})):
+        drafter = heads.build(kind, target)
+        got = SelfSpecModel(target, drafter.as_drafter(**overrides)).generate(ids, max_new_tokens=16,
+                                                                               eos_token_id=[])
+        assert torch.equal(got, expected)
+        assert drafter.dtype == torch.float32

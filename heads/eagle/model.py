@@ -58,7 +58,7 @@ class EagleModel(DrafterModel):
     def forward(self, input_ids, hidden_states, *, attention_mask=None, position_ids=None,
                 past_key_values=None, cache_position=None):
         # input_ids: [B, T]; hidden_states: [B, T, D]
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states], dim=-1))
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states.to(self.dtype)], dim=-1))
         attention_mask, position_ids = _defaults(x, attention_mask, position_ids, past_key_values)
         x = call_layer(self.layers[0], x, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=past_key_values, cache_position=cache_position,

@@ -117,6 +117,7 @@ class Eagle3Model(DrafterModel):
     def forward(self, input_ids, hidden_states, *, attention_mask=None, position_ids=None,
                 past_key_values=None, cache_position=None, fused: bool | None = None):
         # input_ids: [B, T]; hidden_states: [B, T, n*D] (fused target features) or [B, T, D] (own output)
+        hidden_states = hidden_states.to(self.dtype)
         h = self.fc(hidden_states) if self._is_fused(hidden_states, fused) else hidden_states
         e = self.embed_tokens(input_ids)
         attention_mask, position_ids = _defaults(h, attention_mask, position_ids, past_key_values)

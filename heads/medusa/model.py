@@ -69,6 +69,7 @@ class MedusaModel(DrafterModel):
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """logits [K, B, T, V] of the first `num_heads` (default all) heads for hidden [B, T, D]."""
         heads = self.heads[: num_heads or len(self.heads)]
+        hidden = hidden.to(self.dtype)
         out = []
         for head in heads:
             x = head(hidden)
