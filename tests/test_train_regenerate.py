@@ -1,0 +1,104 @@
+"""Self-distillation: the target rewrites the assistant turns; resumable; output loads as training data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from train_fixtures import char_tokenizer, conversations, write_alpaca, write_sharegpt
+
+from train.data import build_samples, load_rows
+from train.regenerate import main as regenerate_main
+from train.regenerate import read_done_ids, regenerate
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def target():
+    from conftest import tiny_model
+
+    return tiny_model("llama"), char_tokenizer()
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_greedy_replies_are_the_targets_own(tmp_path, target):
+    model, tok = target
+    rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(5)))
+    out = tmp_path / "out.jsonl"
+    counts = regenerate(model, tok, rows, out, max_new_tokens=12, batch_size=2, progress=False)
+    assert counts["written"] == 5
+    records = read(out)
+    assert {r["id"] for r in records} == {"0", "1", "2", "3", "4"}
+    for r in records:
+        user = r["messages"][0]["content"]
+        assert user == conversations(5)[int(r["id"])][0]["content"]
+        # One prompt alone through generate gives the same reply as in the left-padded batch.
+        prompt = tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True)
+        ids = tok(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+        alone = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)[0, ids.shape[1]:]
+        assert r["messages"][1]["content"] == tok.decode(alone, skip_special_tokens=True).strip()
+    # The output is training data in the messages format (an empty reply still teaches the end-of-turn token).
+    samples, stats = build_samples(load_rows(str(out)), tok, 512)
+    assert stats.extra["format"] == "messages" and len(samples) == 5
+
+
+def test_multi_turn_and_sharegpt_output(tmp_path, target):
+    model, tok = target
+    conv = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "old too"}]
+    rows = load_rows(write_sharegpt(tmp_path / "s.json", [conv, conv[:1]]))
+    out = tmp_path / "out.jsonl"
+    regenerate(model, tok, rows, out, max_new_tokens=6, batch_size=4, out_format="sharegpt", progress=False)
+    records = {r["id"]: r for r in read(out)}
+    turns = records["c0"]["conversations"]
+    assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
+    assert turns[0]["value"] == "hi" and turns[2]["value"] == "more"
+    assert "old" not in (turns[1]["value"], turns[3]["value"])
+    # A conversation that ends with a prompt gets a reply appended.
+    assert [t["from"] for t in records["c1"]["conversations"]] == ["human", "gpt"]
+
+
+def test_resume_skips_done_ids_and_drops_a_cut_line(tmp_path, target):
+    model, tok = target
+    rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(6)))
+    out = tmp_path / "out.jsonl"
+    regenerate(model, tok, rows, out, max_samples=3, max_new_tokens=4, batch_size=2, progress=False)
+    first = read(out)
+    with open(out, "a") as f:
+        f.write('{"id": "5", "messa')  # killed mid-write
+    assert read_done_ids(out) == {r["id"] for r in first}
+    counts = regenerate(model, tok, rows, out, max_new_tokens=4, batch_size=2, progress=False)
+    assert counts["skipped_done"] == 3 and counts["written"] == 3
+    records = read(out)
+    assert records[:3] == first and sorted(r["id"] for r in records) == [str(i) for i in range(6)]
+
+
+def test_sampling_and_cli(tmp_path, target):
+    from train_fixtures import save_tiny_target
+
+    folder = save_tiny_target(tmp_path / "target")
+    data = write_alpaca(tmp_path / "a.json", conversations(3))
+    out = tmp_path / "out.jsonl"
+    regenerate_main(["--target", folder, "--data", data, "--out", str(out), "--max_new_tokens", "5",
+                     "--temperature", "0.8", "--top_p", "0.9", "--batch_size", "3"])
+    assert len(read(out)) == 3
+
+
+def test_bad_input(tmp_path, target):
+    model, tok = target
+    rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(2)))
+    with pytest.raises(ValueError, match="chat template"):
+        regenerate(model, char_tokenizer(chat_template=None), rows, tmp_path / "o.jsonl", progress=False)
+    with pytest.raises(ValueError, match="out_format"):
+        regenerate(model, tok, rows, tmp_path / "o.jsonl", out_format="csv", progress=False)
