@@ -524,3 +524,21 @@ def test_adapter_with_tree_overrides_and_a_bf16_target():
                                                                                eos_token_id=[])
         assert torch.equal(got, expected)
         assert drafter.dtype == torch.float32
+
+
+def test_sampling_with_a_drafter_runs():
+    target = target_for("llama")
+    ids = torch.randint(3, 96, (2, 5), generator=torch.Generator().manual_seed(3))
+    got = SelfSpecModel(target, heads.build("eagle", target)).generate(
+        ids, max_new_tokens=10, do_sample=True, temperature=0.8, top_k=20, eos_token_id=[],
+        generator=torch.Generator().manual_seed(0))
+    assert got.shape == (2, 15) and ((got >= 0) & (got < 96)).all()
+
+
+def test_hub_push_checks_the_folder_before_any_network(tmp_path):
+    from heads.hub import push
+
+    heads.build("medusa", target_for("llama")).save_pretrained(tmp_path)
+    os.remove(tmp_path / "README.md")
+    with pytest.raises(ValueError, match=r"missing \['README.md'\]"):
+        push(tmp_path, "someone/drafter")
