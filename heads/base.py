@@ -93,6 +93,14 @@ class DrafterConfig(PretrainedConfig):
                     target_num_layers=config.num_hidden_layers)
 
 
+class _TargetParts(dict):
+    """The frozen target modules a drafter is bound to. Deep copies of a drafter share them rather than
+    copying the target's embedding and lm_head."""
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 class DrafterModel(PreTrainedModel):
     """Base class of every drafter kind. Subclasses define `forward`, `feature_layers` and `as_drafter`."""
 
@@ -103,9 +111,9 @@ class DrafterModel(PreTrainedModel):
 
     def __init__(self, config: DrafterConfig):
         super().__init__(config)
-        # Frozen target parts bound by `attach`. A plain dict, so they are never submodules: never saved,
-        # never in `parameters()`, never moved by `.to()`.
-        self._target = {}
+        # Frozen target parts bound by `attach`. A dict, so they are never submodules: never saved, never in
+        # `parameters()`, never moved by `.to()`.
+        self._target = _TargetParts()
 
     # ---- the target -------------------------------------------------------------------------------------
 
@@ -146,7 +154,7 @@ class DrafterModel(PreTrainedModel):
             raise ValueError(f"{type(target).__name__} exposes no input embeddings or lm_head; a drafter needs "
                              "a causal LM (AutoModelForCausalLM)")
         softcap = getattr(text_config(target), "final_logit_softcapping", None)
-        self._target.update(embed=embed, lm_head=lm_head, softcap=softcap, model_id=id(target))
+        self._target = _TargetParts(embed=embed, lm_head=lm_head, softcap=softcap, model_id=id(target))
         return self
 
     def attached_to(self, target) -> bool:

@@ -33,8 +33,8 @@ def arch_classes(model_type: str) -> ArchClasses:
     if name is None:
         raise ValueError(f"transformers has no causal LM for model_type {model_type!r}, so an EAGLE drafter "
                          "cannot be built from its decoder layer")
-    module_name = f"transformers.models.{model_type_to_module_name(model_type)}.modeling_" \
-                  f"{model_type_to_module_name(model_type)}"
+    folder = model_type_to_module_name(model_type)
+    module_name = f"transformers.models.{folder}.modeling_{folder}"
     try:
         module = importlib.import_module(module_name)
         causal_lm = getattr(module, name)
@@ -78,7 +78,8 @@ def layer_config_dict(target_config: PretrainedConfig) -> dict:
         config.use_sliding_window = False
     d = config.to_diff_dict()
     d["model_type"] = config.model_type
-    for key in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
+    for key in ("architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype",
+                "quantization_config"):  # the drafter layer is a plain, unquantized layer
         d.pop(key, None)
     return d
 
