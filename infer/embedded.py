@@ -146,11 +146,14 @@ def resolve_target(name_or_path: str | os.PathLike, **hf_kwargs) -> tuple[PreTra
     """
     if not isinstance(name_or_path, (str, os.PathLike)):
         raise TypeError(f"name_or_path must be a str or path, got {type(name_or_path).__name__}")
-    if str(name_or_path).lower() == EMBEDDED_NAME:
-        folder: str | Path = embedded_folder()
-    else:
-        folder = name_or_path
+    embedded_target = str(name_or_path).lower() == EMBEDDED_NAME
+    folder = embedded_folder() if embedded_target else name_or_path
     tokenizer_kwargs = {k: hf_kwargs[k] for k in ("revision", "token", "trust_remote_code") if k in hf_kwargs}
     model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
     tokenizer = AutoTokenizer.from_pretrained(folder, **tokenizer_kwargs)
+    if embedded_target:
+        # As from_pretrained records a hub id, record the short name rather than this machine's cache path,
+        # so drafters trained on it name a target that resolves anywhere.
+        model.name_or_path = model.config._name_or_path = EMBEDDED_NAME
+        tokenizer.name_or_path = EMBEDDED_NAME
     return model.eval(), tokenizer

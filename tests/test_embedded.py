@@ -96,5 +96,7 @@ def test_short_name_resolves_through_cache(monkeypatch, tmp_path, gguf_target):
     embedded.save_converted(model, tokenizer, tmp_path / embedded.EMBEDDED_NAME)
     monkeypatch.setattr(embedded, "load_gguf", lambda **kw: pytest.fail("reconverted a finished cache"))
     assert embedded.embedded_folder() == tmp_path / embedded.EMBEDDED_NAME
-    loaded, _ = embedded.resolve_target("SmolLM2-135M-Instruct")
+    loaded, tokenizer = embedded.resolve_target("SmolLM2-135M-Instruct")
     assert loaded.config.num_hidden_layers == 30
+    # Recorded by the short name (what a drafter trained on it saves as its base model), not the cache path.
+    assert loaded.name_or_path == tokenizer.name_or_path == embedded.EMBEDDED_NAME
