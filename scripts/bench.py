@@ -280,6 +280,8 @@ def to_markdown(result: dict) -> str:
             f"median of {s['repeats']} repeat(s)")
     if env:
         foot += f"; {env.get('cpu')}, {env.get('torch_threads')} torch threads, {env.get('dtype')}"
+        if env.get("load_average"):
+            foot += f", load average {env['load_average'][0]:.2f} at the end"
     foot += ". tau = new tokens per target forward (prefill included).\n"
     if result["mismatches"]:
         foot += f"\n**{len(result['mismatches'])} greedy output(s) differ from the baseline.**\n"
@@ -354,7 +356,9 @@ def environment(target, threads: int) -> dict:
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
-            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            # Other processes on the machine distort every timing; the 1/5/15-minute load says how much.
+            "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
 
 
 def report_mismatches(result: dict) -> None:
@@ -407,9 +411,11 @@ def main(argv=None) -> int:
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
 
+    load_before = environment(target, torch.get_num_threads())["load_average"]
     result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, turns=args.turns)
     result["environment"] = environment(target, torch.get_num_threads())
+    result["environment"]["load_average_before"] = load_before
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
                               args.pld_tokens, drafters=args.drafter)
