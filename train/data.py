@@ -162,6 +162,7 @@ def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tup
             stats.dropped_after_truncation += 1
             continue
         samples.append(Sample(str(row.get("id", index)), ids, mask))
+        stats.assistant_tokens += sum(mask)
     if stats.no_assistant == stats.rows:
         raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
     if not samples:

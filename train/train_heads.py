@@ -87,6 +87,8 @@ def make_drafter(config: TrainConfig, target, tokenizer, train_set):
         drafter.attach(target, tokenizer)
         return drafter.to(target.device)
     drafter = heads.build(config.drafter, target, tokenizer=tokenizer, **config.drafter_options)
+    # The name the user gave (a short name, hub id or folder), not the folder it resolved to.
+    drafter.config.base_model_name_or_path = config.target
     if drafter.kind == "eagle3":
         counts = token_counts(train_set, drafter.config.target_vocab_size)
         drafter.set_vocab_map(*heads.build_vocab_map(counts, drafter.config.draft_vocab_size))
