@@ -6,6 +6,10 @@ import pytest
 import torch
 import transformers
 
+# Tiny models gain nothing from threads, and several test processes on a small machine oversubscribe
+# the cores badly (seen: 100x slower). Real-model tests raise this for themselves.
+torch.set_num_threads(1)
+
 VOCAB = 96
 
 # model_type -> config overrides on top of the shared tiny shape.
