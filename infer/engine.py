@@ -32,8 +32,10 @@ from .verify import Acceptance, accept_greedy, accept_sampled, accept_typical
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
-def as_drafter(drafter, target) -> Drafter:
-    """Turn what the user passed into a `Drafter`: heads model, "ngram", a draft LM, or a Drafter."""
+def as_drafter(drafter, target, tokenizer=None) -> Drafter:
+    """Turn what the user passed into a `Drafter`: heads model, "ngram", a draft LM, or a Drafter.
+
+    With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with."""
     if isinstance(drafter, Drafter):
         out = drafter
     elif isinstance(drafter, str):
@@ -42,7 +44,7 @@ def as_drafter(drafter, target) -> Drafter:
                              "or a causal LM that shares the target's tokenizer")
         out = NgramDrafter()
     elif hasattr(drafter, "as_drafter"):  # a trained drafter from `heads`
-        drafter.attach(target)
+        drafter.attach(target, tokenizer)
         out = drafter.as_drafter()
     elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
         out = DraftModelDrafter(drafter)
@@ -101,12 +103,12 @@ class SelfSpecModel:
     >>> out = model.generate(input_ids, max_new_tokens=64)   # == target.generate(input_ids, ...)
     """
 
-    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False):
+    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None):
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         _ensure_maskable(target)
         self.target = target.eval()
-        self.drafter = as_drafter(drafter, self.target)
+        self.drafter = as_drafter(drafter, self.target, tokenizer)
         self.typical_acceptance = typical_acceptance
         self.last_stats: dict = {}
 
@@ -123,7 +125,8 @@ class SelfSpecModel:
                 raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path; pass target=")
             from .embedded import resolve_target
 
-            target, _ = resolve_target(name, **hf_kwargs)
+            target, tokenizer = resolve_target(name, **hf_kwargs)
+            return cls(target, drafter, tokenizer=tokenizer)
         return cls(target, drafter)
 
     # ---------------------------------------------------------------- generate
