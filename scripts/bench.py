@@ -120,8 +120,26 @@ def engine_method(target, drafter, name: str) -> Method:
     return Method(name, run)
 
 
-def load_drafter(spec: str, target):
-    """(name, drafter) for `ngram`, `draft-model:<path or hub id>`, or a saved drafter folder / hub id."""
+def parse_tree(text: str | None) -> dict:
+    """`depth=4,top_k=4,total_tokens=16` -> {"depth": 4, ...} (values parsed as JSON where they can be)."""
+    if not text:
+        return {}
+    tree = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--tree item {item!r} must look like key=value")
+        try:
+            tree[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            tree[key.strip()] = value
+    return tree
+
+
+def load_drafter(spec: str, target, tree: dict | None = None):
+    """(name, drafter) for `ngram`, `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
+
+    `tree` overrides a trained drafter's saved drafting settings (e.g. depth, top_k, total_tokens)."""
     if spec == "ngram":
         return "ngram", "ngram"
     if spec.startswith("draft-model:"):
@@ -133,8 +151,9 @@ def load_drafter(spec: str, target):
     import heads
 
     drafter = heads.load(spec)
-    kind = getattr(drafter.config, "model_type", type(drafter).__name__)
-    return f"{kind}:{Path(spec).name}", drafter
+    if tree:
+        drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **tree})
+    return f"{drafter.kind}:{Path(spec).name}", drafter
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -386,6 +405,8 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=1, help="how many turns of each question to run")
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
     parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--tree", default=None,
+                        help="override trained drafters' tree settings, e.g. depth=4,top_k=4,total_tokens=16")
     parser.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the PLD baseline")
     parser.add_argument("--no-pld", action="store_true", help="skip the transformers prompt-lookup baseline")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
@@ -406,7 +427,7 @@ def main(argv=None) -> int:
     if not args.no_pld:
         methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
-        name, drafter = load_drafter(spec, target)
+        name, drafter = load_drafter(spec, target, parse_tree(args.tree))
         methods.append(engine_method(target, drafter, name))
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
@@ -418,7 +439,7 @@ def main(argv=None) -> int:
     result["environment"]["load_average_before"] = load_before
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
-                              args.pld_tokens, drafters=args.drafter)
+                              args.pld_tokens, drafters=args.drafter, tree=parse_tree(args.tree) or None)
     paths = write_outputs(result, args.out, plots=not args.no_plots)
     print(to_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))

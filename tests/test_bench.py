@@ -160,3 +160,22 @@ def test_push_to_hub_dry_run_puts_measurements_on_the_card(tmp_path, capsys):
     assert not (run / "drafter" / "README.md").read_text().count("measured_tau")  # source left untouched
     with pytest.raises(FileNotFoundError, match="no saved drafter"):
         push_to_hub.find_drafter(tmp_path / "nothing")
+
+
+def test_saved_drafter_with_tree_override(questions_file, tmp_path):
+    import heads
+
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    heads.build("eagle", target).save_pretrained(tmp_path / "eagle")
+    name, drafter = bench.load_drafter(str(tmp_path / "eagle"), target, bench.parse_tree("depth=2,top_k=2,total_tokens=4"))
+    assert name == "eagle:eagle"
+    assert (drafter.config.tree["depth"], drafter.config.tree["total_tokens"]) == (2, 4)
+    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name)]
+    result = bench.run_bench(target, tokenizer, bench.load_questions(questions_file), methods, max_new_tokens=8,
+                             progress=False, warmup=False)
+    assert result["mismatches"] == []  # an untrained drafter is slow, never wrong
+    assert all(a <= 3 for rec in result["questions"] for a in rec["results"][name]["accepted_lengths"])
+    with pytest.raises(ValueError, match="unknown tree settings"):
+        bench.load_drafter(str(tmp_path / "eagle"), target, {"width": 3})
+    with pytest.raises(ValueError, match="key=value"):
+        bench.parse_tree("depth")
