@@ -40,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"prompts to self-distill and train on (at most {480 - HELD_OUT})")
     p.add_argument("--distill-tokens", type=int, default=192, help="max new tokens per distilled answer")
     p.add_argument("--distill-batch", type=int, default=16, help="batch size of the distillation generate")
-    p.add_argument("--train-minutes", type=float, default=7.0, help="wall-clock budget for training")
+    p.add_argument("--train-minutes", type=float, default=7.0,
+                   help="wall-clock budget for training, target feature extraction included")
     p.add_argument("--bench-questions", type=int, default=8, help="held-out prompts to benchmark on")
     p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark answer")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
@@ -91,25 +92,38 @@ def distill(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: i
 
 
 def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
-    """Train `kind` on `data` with the project's config for SmolLM2; the drafter lands in out/drafter."""
+    """Train `kind` on `data` for about `minutes` of wall clock; the drafter lands in out/drafter.
+
+    Settings come from the project's config for SmolLM2 (configs/smollm2_<kind>.yaml). The trainer counts
+    optimizer steps, not minutes, so the budget is turned into steps by timing the first ones: a short
+    probe run (the learning-rate warm-up, identical whatever the total) checkpoints and stops, then the
+    run resumes from that checkpoint with as many steps as the measured pace fits into what is left.
+    """
+    import shutil
+
     from train.config import TrainConfig, load_config
     from train.train_heads import train
 
     config_file = ROOT / "configs" / f"smollm2_{kind}.yaml"
-    overrides = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
-    if "max_minutes" in TrainConfig.__dataclass_fields__:
-        overrides["max_minutes"] = float(minutes)
-    else:  # until the trainer takes a wall-clock budget, a step count measured on a 2-core CPU stands in
-        overrides["max_steps"] = max(1, int(minutes * 60 / SECONDS_PER_STEP[kind]))
-    config = load_config(config_file if config_file.is_file() else None, overrides)
-    print(f"training {kind} with {config_file.name if config_file.is_file() else 'defaults'} + {overrides}",
+    base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
+    load = lambda extra: load_config(config_file if config_file.is_file() else None, {**base, **extra})  # noqa: E731
+    print(f"training {kind}: {config_file.relative_to(ROOT) if config_file.is_file() else 'defaults'} + {base}",
           flush=True)
-    result = train(config)
+    if "max_minutes" in TrainConfig.__dataclass_fields__:  # the trainer keeps the budget itself
+        return Path(train(load({"max_minutes": float(minutes)}))["drafter_dir"])
+
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a resume must only ever find this run's probe
+    probe_steps = max(load({}).warmup_steps, 5)
+    tic = time.perf_counter()
+    guess = max(probe_steps + 1, int(minutes * 60 / 3))  # only sizes the progress bar; the probe stops early
+    probe = train(load({"max_steps": guess, "save_every": probe_steps, "halt_after_steps": probe_steps}))
+    per_step = probe["train_seconds"] / max(probe["step"], 1)
+    left = minutes * 60 - (time.perf_counter() - tic)
+    total = probe["step"] + max(1, int(left / per_step))
+    print(f"pace {per_step:.2f} s/step: {total} steps in all fit the {minutes:g} min budget", flush=True)
+    result = train(load({"max_steps": total, "resume": True}))
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     return Path(result["drafter_dir"])
-
-
-# Seconds per optimizer step of each kind's SmolLM2 config, measured on 2 cores (see docs/benchmarks.md).
-SECONDS_PER_STEP = {"eagle3": 1.0, "eagle": 1.0, "medusa": 1.0}
 
 
 def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: Path, max_new_tokens: int) -> dict:
