@@ -495,14 +495,16 @@ def test_propose_builds_valid_trees(kind, arch, tree, max_depth, max_nodes):
 E2E_CASES = CASES + [("eagle", "llama", {"mode": "static"}), ("eagle3", "gemma2", {"mode": "static"})]
 
 
+@pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: "-".join(map(str, c[:2])) + ("-static" if len(c) > 2 else ""))
-def test_speculative_greedy_equals_target_generate(case):
+def test_speculative_greedy_equals_target_generate(case, batch):
     kind, arch = case[:2]
     tree = case[2] if len(case) > 2 else {}
     target = target_for(arch)
     ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)
-    mask[1, :3] = 0
+    mask[1, :3] = 0  # the second prompt is left-padded
+    ids, mask = ids[:batch], mask[:batch]
     expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
                                pad_token_id=0)
     drafter = heads.build(kind, target.config, tree=tree)
