@@ -372,7 +372,14 @@ def environment(target, threads: int) -> dict:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "torch_threads": threads, "torch": torch.__version__,
+    try:
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "git_commit": commit, "torch_threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
