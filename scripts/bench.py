@@ -375,8 +375,10 @@ def environment(target, threads: int) -> dict:
     try:
         import subprocess
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip() or None
+        git = dict(capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent, timeout=10)
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], **git).stdout.strip() or None
+        if commit and subprocess.run(["git", "status", "--porcelain", "infer", "heads"], **git).stdout.strip():
+            commit += "-dirty"  # the engine or drafters measured differ from the commit
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "git_commit": commit, "torch_threads": threads, "torch": torch.__version__,
