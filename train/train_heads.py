@@ -3,9 +3,9 @@
     accelerate launch train/train_heads.py --config configs/smollm2_eagle.yaml [key=value ...]
     python train/train_heads.py --config configs/smollm2_eagle.yaml max_steps=200 --resume
 
-One process on CPU, DDP over several (`accelerate launch --cpu --num_processes 2`, or
-`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2`), DeepSpeed ZeRO-2/3 and bf16/fp16 on GPUs through
-the accelerate config files in configs/. Every field is documented in train/config.py.
+One process on CPU, DDP over several (`ACCELERATE_USE_CPU=1 torchrun --nproc_per_node 2 ...`; accelerate's
+own multi-CPU launch needs MPI), DeepSpeed ZeRO-2/3 and bf16/fp16 on GPUs through the accelerate config
+files in configs/. Every field is documented in train/config.py.
 
 The loop: validate config and data, build the drafter, prepare features (online, or an offline cache),
 then repeat {batch -> target features -> objective -> optimizer step}, evaluating on the held-out split
