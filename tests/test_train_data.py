@@ -61,6 +61,16 @@ def test_each_format_loads_with_the_same_mask(tmp_path, writer):
         assert masked == conv[1]["content"] + "<|im_end|>"
 
 
+def test_cut_reply_does_not_train_the_end_of_turn(tmp_path):
+    rows = [{"id": "a", "messages": KNOWN[1:3], "finished": False}, {"id": "b", "messages": KNOWN[1:3], "finished": True}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cut, done = build_samples(load_rows(str(path)), char_tokenizer(), 512)[0]
+    tok = char_tokenizer()
+    assert tok.decode([i for i, m in zip(cut.input_ids, cut.loss_mask, strict=True) if m]) == "yo"
+    assert tok.decode([i for i, m in zip(done.input_ids, done.loss_mask, strict=True) if m]) == "yo<|im_end|>"
+
+
 def test_parquet_and_alpaca_input_field(tmp_path):
     ds = datasets.Dataset.from_list([{"instruction": "say", "input": "hi", "output": "hi"}])
     ds.to_parquet(str(tmp_path / "d.parquet"))

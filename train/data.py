@@ -108,9 +108,18 @@ def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tup
     return full, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict]) -> tuple[list[int], list[int]]:
-    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens."""
+def tokenize_conversation(tokenizer, messages: list[dict], last_reply_cut: bool = False) -> tuple[list[int], list[int]]:
+    """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens.
+
+    `last_reply_cut`: the last reply was cut by a token limit (`"finished": false` from train.regenerate),
+    so the end-of-turn marker after it is the template's, not the model's, and is not trained.
+    """
     full, spans = assistant_char_spans(tokenizer, messages)
+    if last_reply_cut and spans and messages[-1]["role"] == "assistant":
+        start, end = spans[-1]
+        content = messages[-1]["content"]
+        if full[start:end].startswith(content):
+            spans[-1] = (start, start + len(content))
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     mask = []
     for start, end in enc["offset_mapping"]:
@@ -153,7 +162,7 @@ def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tup
         if not any(m["role"] == "assistant" for m in messages):
             stats.no_assistant += 1
             continue
-        ids, mask = tokenize_conversation(tokenizer, messages)
+        ids, mask = tokenize_conversation(tokenizer, messages, last_reply_cut=row.get("finished") is False)
         if len(ids) > max_length:
             stats.truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
