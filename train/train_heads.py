@@ -216,6 +216,90 @@ def save_drafter(config, accelerator, objective, lora_target, result: dict, data
     return out
 
 
+@dataclass
+class Inputs:
+    """Everything the loop reads, prepared and checked before any training starts."""
+
+    target: object
+    tokenizer: object
+    train_set: list
+    eval_set: list
+    data_stats: object
+    pad_id: int
+    drafter: object
+    lora_target: object
+    train_features: object
+    eval_features: object
+    feature_seconds: float
+
+
+def prepare_inputs(config: TrainConfig, accelerator) -> Inputs:
+    # Target, data and drafter first: every check that can fail does so before features are computed.
+    target, tokenizer = load_target(config.target, config.target_dtype)
+    target.to(accelerator.device)
+    rows = load_rows(config.data, config.data_split)
+    samples, data_stats = build_samples(rows, tokenizer, config.max_length, config.max_samples)
+    train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
+    data_stats.train, data_stats.eval = len(train_set), len(eval_set)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    drafter = make_drafter(config, target, tokenizer, train_set)
+    lora_target = add_lora(config, target) if config.lora_r > 0 else None
+    if accelerator.is_main_process:
+        print(f"[data] {json.dumps(asdict(data_stats))}", flush=True)
+    tic = time.perf_counter()
+    train_features = make_features(config, accelerator, target, drafter, train_set, pad_id, "train")
+    eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
+        if eval_set else None
+    return Inputs(target, tokenizer, train_set, eval_set, data_stats, pad_id, drafter, lora_target,
+                  train_features, eval_features, time.perf_counter() - tic)
+
+
+def total_optimizer_steps(config: TrainConfig, accelerator, lengths: list[int]) -> int:
+    per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0, config.group_by_length,
+                                  accelerator.process_index, accelerator.num_processes)) // config.grad_accum
+    if per_epoch == 0:
+        raise ValueError(f"{len(lengths)} training samples make less than one optimizer step "
+                         f"(batch_size={config.batch_size}, grad_accum={config.grad_accum}, "
+                         f"processes={accelerator.num_processes})")
+    return config.max_steps or per_epoch * config.epochs
+
+
+def resume_if_asked(config: TrainConfig, accelerator, progress: Progress) -> None:
+    if not config.resume:
+        return
+    found = checkpoints(config)
+    if not found:
+        raise ValueError(f"resume=true but no checkpoint in {Path(config.output_dir) / 'checkpoints'}")
+    accelerator.load_state(str(found[-1]))  # model, optimizer, scheduler, RNG states and `progress`
+    if accelerator.is_main_process:
+        print(f"[resume] from {found[-1]} at step {progress.step}", flush=True)
+
+
+def micro_step(config, accelerator, objective, optimizer, params, batch, feats):
+    """Forward and backward one micro-batch; the optimizer steps only when gradients are synced."""
+    with accelerator.accumulate(objective):
+        loss, logs = objective(batch, feats)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients and config.max_grad_norm > 0:
+            accelerator.clip_grad_norm_(params, config.max_grad_norm)
+        optimizer.step()
+        optimizer.zero_grad()
+    return loss, logs
+
+
+def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) -> None:
+    data_info = {"data": config.data, "train_samples": len(inputs.train_set), "eval_samples": len(inputs.eval_set),
+                 "max_length": config.max_length, "data_stats": asdict(inputs.data_stats)}
+    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, inputs.lora_target, result, data_info))
+    if accelerator.is_main_process:
+        out = Path(config.output_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "history"},
+                                                    indent=2) + "\n")
+        with open(out / "history.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in result["history"])
+
+
 def train(config: TrainConfig) -> dict:
     """Run a training; returns {"step", "history", "eval", "drafter_dir", ...}."""
     from accelerate.utils import set_seed
@@ -226,76 +310,40 @@ def train(config: TrainConfig) -> dict:
     main = accelerator.is_main_process
     set_seed(config.seed)
 
-    # 1. target, data and drafter: every check that can fail does so before features or training start.
-    target, tokenizer = load_target(config.target, config.target_dtype)
-    target.to(accelerator.device)
-    rows = load_rows(config.data, config.data_split)
-    samples, data_stats = build_samples(rows, tokenizer, config.max_length, config.max_samples)
-    train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
-    data_stats.train, data_stats.eval = len(train_set), len(eval_set)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    drafter = make_drafter(config, target, tokenizer, train_set)
-    lora_target = add_lora(config, target) if config.lora_r > 0 else None
-    if main:
-        print(f"[data] {json.dumps(asdict(data_stats))}", flush=True)
+    # 1. target, data, drafter and features (online, or an offline cache built once).
+    inputs = prepare_inputs(config, accelerator)
+    train_set, pad_id = inputs.train_set, inputs.pad_id
 
-    # 2. features: online (frozen target in the loop) or an offline cache built once.
-    t_feat = time.perf_counter()
-    train_features = make_features(config, accelerator, target, drafter, train_set, pad_id, "train")
-    eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
-        if eval_set else None
-    feature_seconds = time.perf_counter() - t_feat
-
-    # 3. objective, optimizer, schedule; resume if asked.
-    objective = build_objective(drafter, config, lora_target)
-    objective.train()
+    # 2. objective, optimizer, schedule; resume if asked.
+    objective = build_objective(inputs.drafter, config, inputs.lora_target).train()
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     lengths = [len(s.input_ids) for s in train_set]
-    per_epoch = len(epoch_batches(lengths, config.batch_size, config.seed, 0, config.group_by_length,
-                                  accelerator.process_index, accelerator.num_processes)) // config.grad_accum
-    if per_epoch == 0:
-        raise ValueError(f"{len(train_set)} training samples make less than one optimizer step "
-                         f"(batch_size={config.batch_size}, grad_accum={config.grad_accum}, "
-                         f"processes={accelerator.num_processes})")
-    total_steps = config.max_steps or per_epoch * config.epochs
+    total_steps = total_optimizer_steps(config, accelerator, lengths)
     scheduler = make_scheduler(config, optimizer, total_steps)
     if accelerator.distributed_type.name == "DEEPSPEED":
-        ds = accelerator.state.deepspeed_plugin.deepspeed_config
-        ds["train_micro_batch_size_per_gpu"] = config.batch_size
+        accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    if config.resume:
-        found = checkpoints(config)
-        if not found:
-            raise ValueError(f"resume=true but no checkpoint in {Path(config.output_dir) / 'checkpoints'}")
-        accelerator.load_state(str(found[-1]))
-        if main:
-            print(f"[resume] from {found[-1]} at step {progress.step}", flush=True)
+    resume_if_asked(config, accelerator, progress)
     if config.report_to == "wandb":
         accelerator.init_trackers(config.wandb_project, config=to_dict(config), init_kwargs={"wandb": {
             "name": config.run_name or f"{config.drafter}-{Path(config.target).name}", "dir": config.output_dir}})
 
-    # 4. the loop.
+    # 3. the loop: micro-batches in the epoch's fixed order, from where a resumed run left off.
     history, result = [], {"halted": False}
     bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
     t_train, seen_tokens = time.perf_counter(), 0
-    while progress.step < total_steps:
+    while progress.step < total_steps and not result["halted"]:
         batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
                                 accelerator.process_index, accelerator.num_processes)
         usable = len(batches) - len(batches) % config.grad_accum
         while progress.batch < usable and progress.step < total_steps:
             indices = batches[progress.batch]
             batch = move(collate([train_set[i] for i in indices], indices, pad_id), accelerator.device)
-            feats = feature_batch(train_features, batch)
-            with accelerator.accumulate(objective):
-                loss, logs = objective(batch, feats)
-                accelerator.backward(loss)
-                if accelerator.sync_gradients and config.max_grad_norm > 0:
-                    accelerator.clip_grad_norm_(params, config.max_grad_norm)
-                optimizer.step()
-                optimizer.zero_grad()
+            loss, logs = micro_step(config, accelerator, objective, optimizer, params, batch,
+                                    feature_batch(inputs.train_features, batch))
             progress.batch += 1
             seen_tokens += int(batch["loss_mask"].sum())
             if not accelerator.sync_gradients:
@@ -312,45 +360,32 @@ def train(config: TrainConfig) -> dict:
                     bar.write(f"[train] step {progress.step}/{total_steps} loss {record['loss']:.4f} "
                               f"lr {record['lr']:.2e}")
             if config.eval_every and progress.step % config.eval_every == 0 and progress.step < total_steps:
-                metrics = evaluate(config, accelerator, objective, eval_set, eval_features, pad_id)
+                metrics = evaluate(config, accelerator, objective, inputs.eval_set, inputs.eval_features, pad_id)
                 accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
                 if main:
                     bar.write(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
             if config.save_every and progress.step % config.save_every == 0:
                 save_checkpoint(config, accelerator, progress.step)
             if config.halt_after_steps and progress.step >= config.halt_after_steps:
-                result["halted"] = True
+                result["halted"] = True  # as if killed: no final evaluation, no drafter folder
                 break
-        if result["halted"]:
-            break
         if progress.batch >= usable:
             progress.epoch, progress.batch = progress.epoch + 1, 0
     bar.close()
-    train_seconds = time.perf_counter() - t_train
-
-    result.update(step=progress.step, history=history, feature_seconds=round(feature_seconds, 1),
-                  train_seconds=round(train_seconds, 1), assistant_tokens_seen=seen_tokens)
+    result.update(step=progress.step, history=history, feature_seconds=round(inputs.feature_seconds, 1),
+                  train_seconds=round(time.perf_counter() - t_train, 1), assistant_tokens_seen=seen_tokens)
     if result["halted"]:
         accelerator.end_training()
         return result
 
-    # 5. final evaluation and the drafter folder.
-    metrics = evaluate(config, accelerator, objective, eval_set, eval_features, pad_id)
-    result["eval"] = metrics
-    result["wall_seconds"] = round(time.perf_counter() - t_start, 1)
+    # 4. final evaluation and the drafter folder.
+    metrics = evaluate(config, accelerator, objective, inputs.eval_set, inputs.eval_features, pad_id)
+    result.update(eval=metrics, wall_seconds=round(time.perf_counter() - t_start, 1))
     if main and metrics:
         print(f"[eval] final step {progress.step}: {json.dumps(metrics)}\n[eval] est_accept_len* are "
               f"{ESTIMATE_NOTE}", flush=True)
     accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
-    data_info = {"data": config.data, "train_samples": len(train_set), "eval_samples": len(eval_set),
-                 "max_length": config.max_length, "data_stats": asdict(data_stats)}
-    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, lora_target, result, data_info))
-    if main:
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        summary = {k: v for k, v in result.items() if k != "history"}
-        (Path(config.output_dir) / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
-        with open(Path(config.output_dir) / "history.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in history)
+    write_outputs(config, accelerator, objective, inputs, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
