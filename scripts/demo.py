@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+import bench  # scripts/bench.py: run as a script, this file's folder is on sys.path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -36,14 +37,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "demo", help="output folder")
     p.add_argument("--drafter-kind", default="eagle3", choices=["eagle3", "eagle", "medusa"],
                    help="drafter to train (configs/smollm2_<kind>.yaml holds its settings)")
-    p.add_argument("--num-prompts", type=int, default=300,
+    p.add_argument("--num-prompts", type=int, default=160,
                    help=f"prompts to self-distill and train on (at most {480 - HELD_OUT})")
-    p.add_argument("--distill-tokens", type=int, default=192, help="max new tokens per distilled answer")
-    p.add_argument("--distill-batch", type=int, default=16, help="batch size of the distillation generate")
-    p.add_argument("--train-minutes", type=float, default=7.0,
+    p.add_argument("--distill-tokens", type=int, default=128, help="max new tokens per distilled answer")
+    p.add_argument("--distill-batch", type=int, default=32, help="batch size of the distillation generate")
+    p.add_argument("--train-minutes", type=float, default=6.0,
                    help="wall-clock budget for training, target feature extraction included")
     p.add_argument("--bench-questions", type=int, default=8, help="held-out prompts to benchmark on")
     p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark answer")
+    p.add_argument("--tree", default="depth=3,top_k=4,total_tokens=8",
+                   help="drafting tree saved with the drafter: small, because on a CPU verifying a node is not "
+                        "free (see docs/benchmarks.md)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     p.add_argument("--retrain", action="store_true", help="train again even if runs/demo/drafter exists")
     p.add_argument("--skip-bench", action="store_true")
@@ -126,10 +130,17 @@ def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
     return Path(result["drafter_dir"])
 
 
-def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: Path, max_new_tokens: int) -> dict:
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import bench
+def set_tree(drafter_dir: Path, tree: str) -> None:
+    """Save the drafting tree into the drafter's config, so every later load drafts with it."""
+    import heads
 
+    drafter = heads.load(drafter_dir)
+    drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **bench.parse_tree(tree)})
+    drafter.save_pretrained(drafter_dir)
+    print(f"drafting tree: {drafter.config.tree}")
+
+
+def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: Path, max_new_tokens: int) -> dict:
     import heads
 
     drafter = heads.load(drafter_dir)
@@ -167,6 +178,7 @@ def main(argv=None) -> int:
                        args.distill_batch)
         banner(f"3/4 train a {args.drafter_kind} drafter for {args.train_minutes:g} min")
         drafter_dir = train_drafter(args.drafter_kind, data, args.out, args.train_minutes)
+        set_tree(drafter_dir, args.tree)
         print(f"drafter saved to {drafter_dir}")
 
     if not args.skip_bench:
