@@ -8,8 +8,8 @@
 
 Everything stays on this machine: no network, nothing read from ../shared. Outputs go to `--out`
 (runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
-in runs/demo/bench. Steps 2 and 3 resume if interrupted; a finished drafter is reused unless
-`--retrain`. Budget knobs (`--num-prompts`, `--train-minutes`, `--bench-questions`) scale it down for a smoke
+in runs/demo/bench. An interrupted distillation resumes where it stopped; a finished drafter is reused
+unless `--retrain`. Budget knobs (`--num-prompts`, `--train-minutes`, `--bench-questions`) scale it down for a smoke
 run in CI or up for a better drafter.
 """
 
