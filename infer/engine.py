@@ -115,10 +115,16 @@ class SelfSpecModel:
     @classmethod
     def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
                         **hf_kwargs) -> SelfSpecModel:
-        """Load a saved drafter and, unless given, the target recorded in its config."""
+        """Load a saved drafter and, unless given, the target recorded in its config.
+
+        A Medusa-2 drafter (trained jointly with LoRA on the target) records `target_adapter`; the
+        adapter saved beside it is applied to the loaded target and merged, since the heads only predict
+        well on top of the adapted target.
+        """
         import heads
 
         drafter = heads.load(drafter_path_or_hub_id)
+        adapter = (drafter.config.training or {}).get("target_adapter")
         if target is None:
             name = drafter.config.base_model_name_or_path
             if not name:
@@ -126,7 +132,12 @@ class SelfSpecModel:
             from .embedded import resolve_target
 
             target, tokenizer = resolve_target(name, **hf_kwargs)
+            if adapter:
+                target = _merge_adapter(target, drafter_path_or_hub_id, adapter)
             return cls(target, drafter, tokenizer=tokenizer)
+        if adapter:
+            warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
+                          f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)
         return cls(target, drafter)
 
     # ---------------------------------------------------------------- generate
@@ -334,6 +345,19 @@ class SelfSpecModel:
         if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
             raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
         return input_ids.to(self.target.device), attention_mask.to(self.target.device)
+
+
+def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):
+    """Apply and merge the LoRA adapter saved in `<drafter>/<adapter>/` (a local folder or hub id)."""
+    import os
+
+    from huggingface_hub import snapshot_download
+    from peft import PeftModel
+
+    folder = drafter_path_or_hub_id
+    if not os.path.isdir(folder):
+        folder = snapshot_download(folder, allow_patterns=[f"{adapter}/*"])
+    return PeftModel.from_pretrained(target, os.path.join(folder, adapter)).merge_and_unload().eval()
 
 
 def _max_positions(config) -> int | None:

@@ -131,6 +131,18 @@ def test_medusa2_lora_joint_training(workspace):
     assert config.training["requires_lora_target"] and config.training["target_adapter"] == "target_adapter"
     assert (folder / "target_adapter" / "adapter_config.json").is_file()
     assert (folder / "target_adapter" / "adapter_model.safetensors").is_file()
+    # Inference applies the saved adapter to the recorded target, and stays lossless w.r.t. that target.
+    from transformers import AutoModelForCausalLM
+
+    from infer import SelfSpecModel
+
+    spec = SelfSpecModel.from_pretrained(str(folder))
+    plain = AutoModelForCausalLM.from_pretrained(workspace["target"]).eval()
+    ids = torch.tensor([[3, 5, 7, 9, 4]])
+    with torch.no_grad():
+        assert not torch.allclose(spec.target(ids).logits, plain(ids).logits)  # the adapter was merged
+    expected = spec.target.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(ids, max_new_tokens=8, eos_token_id=[]), expected)
 
 
 def test_wandb_offline_writes_run_dir(workspace, monkeypatch):
