@@ -27,7 +27,7 @@ from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
 from .sampling import SamplingParams, next_token
 from .tree import DraftTree
-from .verify import Acceptance, accept_greedy, accept_sampled, accept_typical
+from .verify import accept_greedy, accept_sampled, accept_typical
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 

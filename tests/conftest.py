@@ -67,3 +67,15 @@ def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: st
 @pytest.fixture(params=list(ARCHITECTURES))
 def arch(request) -> str:
     return request.param
+
+
+def perturbed_copy(model, scale: float = 0.05, seed: int = 7):
+    """A draft model that mostly agrees with `model` (high acceptance, but not always): a copy with
+    every weight moved by `scale` times its tensor's standard deviation."""
+    draft = transformers.AutoModelForCausalLM.from_config(model.config).eval()
+    draft.load_state_dict(model.state_dict())
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0))
+    return draft

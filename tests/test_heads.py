@@ -28,16 +28,6 @@ WIDEN_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # Llama-layout layers: EAG
 SPECULATORS_ARCHS = ["llama", "qwen2", "mistral"]  # ... of which export to speculators' Llama layer
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models gain nothing from intra-op threads, and on a shared, loaded machine the thread pool's
-    # spinning makes each matmul ~100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 _TARGETS: dict = {}
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, VOCAB, tiny_model
+from conftest import ARCHITECTURES, VOCAB, perturbed_copy, tiny_model
 
 from infer import DraftTree, SelfSpecModel
 from infer.drafters import NgramDrafter
@@ -29,17 +29,6 @@ def prompts(batch: int, seed: int = 3) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = [7] if batch == 1 else [5, 12, 8][:batch]
     return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def perturbed_copy(model, scale: float = 0.05, seed: int = 7):
-    """A draft model that mostly agrees with the target (high acceptance, but not always)."""
-    draft = tiny_model(model.config.model_type)
-    draft.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0))
-    return draft
 
 
 DRAFTERS = {

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import perturbed_copy, tiny_model
 from scipy.stats import chisquare
 from transformers.generation.logits_process import (
     LogitsProcessorList,
@@ -88,16 +88,6 @@ class FixedTree(Drafter):
         self.root = self.root[rows]
 
 
-def perturbed_copy(model, scale: float, seed: int = 5):
-    draft = tiny_model("llama", vocab_size=V)
-    draft.load_state_dict(model.state_dict())
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in draft.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0))
-    return draft
-
-
 PROMPT = [3, 5, 4, 6, 3, 5]  # repeats, so n-gram lookup finds something to propose
 
 
@@ -119,7 +109,7 @@ def drafters(target):
     return {
         "tree": FixedTree(children=likely[:3], grandchildren=likely[:2]),
         "ngram": "ngram",
-        "draft_model": perturbed_copy(target, scale=0.3),
+        "draft_model": perturbed_copy(target, scale=0.3, seed=5),
     }
 
 
@@ -161,7 +151,7 @@ def test_wrong_sampler_is_caught(target, monkeypatch):
         return acc
 
     joint = exact_joint(target, PROMPT, 1.0, 0, 1.0)
-    draft = perturbed_copy(target, scale=0.3)
+    draft = perturbed_copy(target, scale=0.3, seed=5)
     right = chi_square_p(joint, sampled_pairs(SelfSpecModel(target, draft), 1.0, 0, 1.0, seed=1))
     monkeypatch.setattr(infer.engine, "accept_sampled", no_residual)
     wrong = chi_square_p(joint, sampled_pairs(SelfSpecModel(target, draft), 1.0, 0, 1.0, seed=1))

@@ -5,20 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from train_fixtures import char_tokenizer, conversations, write_alpaca, write_sharegpt
 
 from train.data import build_samples, load_rows
 from train.regenerate import main as regenerate_main
 from train.regenerate import read_done_ids, regenerate
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
