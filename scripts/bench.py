@@ -39,8 +39,10 @@ BASELINE, PLD = "baseline", "pld"
 
 
 # ---------------------------------------------------------------------------------------------- inputs
-def load_questions(path: str | Path, limit: int = 0, categories: list[str] | None = None) -> list[dict]:
-    """Questions from a jsonl file, optionally filtered by category and cut to the first `limit`."""
+def load_questions(path: str | Path, limit: int = 0, categories: list[str] | None = None,
+                   per_category: int = 0) -> list[dict]:
+    """Questions from a jsonl file, optionally filtered by category, cut to the first `per_category` of
+    each category, then to the first `limit`."""
     questions = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -59,6 +61,13 @@ def load_questions(path: str | Path, limit: int = 0, categories: list[str] | Non
         if unknown:
             raise ValueError(f"--categories {sorted(unknown)} not in {path}")
         questions = [q for q in questions if q["category"] in categories]
+    if per_category:
+        kept, seen = [], {}
+        for q in questions:
+            seen[q["category"]] = seen.get(q["category"], 0) + 1
+            if seen[q["category"]] <= per_category:
+                kept.append(q)
+        questions = kept
     return questions[:limit] if limit else questions
 
 
@@ -414,6 +423,7 @@ def main(argv=None) -> int:
     parser.add_argument("--turns", type=int, default=1, help="how many turns of each question to run")
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
     parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--per-category", type=int, default=0, help="first N questions of each category (0 = all)")
     parser.add_argument("--tree", default=None,
                         help="override trained drafters' tree settings, e.g. depth=4,top_k=4,total_tokens=16")
     parser.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the PLD baseline")
@@ -428,7 +438,7 @@ def main(argv=None) -> int:
 
     threads = args.threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
-    questions = load_questions(args.questions, args.limit, args.categories)
+    questions = load_questions(args.questions, args.limit, args.categories, args.per_category)
     if not questions:
         parser.error("no questions selected")
     target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))

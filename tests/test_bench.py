@@ -124,6 +124,7 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
 def test_load_questions_validates_and_filters(tmp_path, questions_file):
     assert [q["question_id"] for q in bench.load_questions(questions_file, categories=["beta"])] == [2]
     assert len(bench.load_questions(questions_file, limit=1)) == 1
+    assert [q["question_id"] for q in bench.load_questions(questions_file, per_category=1)] == [1, 2]
     with pytest.raises(ValueError, match="not in"):
         bench.load_questions(questions_file, categories=["gamma"])
     bad = tmp_path / "bad.jsonl"
