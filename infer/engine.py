@@ -200,8 +200,8 @@ class SelfSpecModel:
         if streamer is not None:
             streamer.end()
         new_tokens = sum(len(o) for o in rows.out)
+        # tau: new tokens per (row, target forward), the bonus token counted and the prefill included
         stats.update(new_tokens=new_tokens, accepted_lengths=rows.accepted,
-                                          # new tokens per (row, target forward): the bonus token counted, the prefill included
                      mean_accepted_length=new_tokens / max(stats["row_forwards"], 1))
         self.last_stats = stats
         return self._assemble(input_ids, rows, settings.pad)
