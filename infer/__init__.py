@@ -1,5 +1,6 @@
 """Inference: tree-verified speculative generation over any transformers causal LM."""
 
+from . import cpu_linear
 from .drafters import DraftModelDrafter, NgramDrafter
 from .drafting import Drafter, TargetStep
 from .engine import SelfSpecModel
@@ -7,4 +8,4 @@ from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree, tree_from_paths
 
 __all__ = ["SelfSpecModel", "Drafter", "TargetStep", "DraftTree", "tree_from_paths", "NgramDrafter",
-           "DraftModelDrafter", "SamplingParams", "logits_to_probs", "sample"]
+           "DraftModelDrafter", "SamplingParams", "logits_to_probs", "sample", "cpu_linear"]

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from . import cpu_linear
 from .drafters import DraftModelDrafter, NgramDrafter
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
@@ -103,13 +104,19 @@ class SelfSpecModel:
     >>> out = model.generate(input_ids, max_new_tokens=64)   # == target.generate(input_ids, ...)
     """
 
-    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None):
+    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
+                 cpu_prepack: bool | None = None):
+        """`cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights (see
+        `infer.cpu_linear`); None = on for an fp32 CPU target whose weights take at most a quarter of RAM."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         _ensure_maskable(target)
         self.target = target.eval()
         self.drafter = as_drafter(drafter, self.target, tokenizer)
         self.typical_acceptance = typical_acceptance
+        self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
+        if self.cpu_prepack and not cpu_linear.available():
+            raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
         self.last_stats: dict = {}
 
     @classmethod
@@ -154,6 +161,13 @@ class SelfSpecModel:
         `generation_config` apply where an argument is not given. eos/pad default to the target's
         generation config, as in transformers.
         """
+        with cpu_linear.prepacked_linears(self.target, getattr(self.drafter, "model", None),
+                                          enabled=self.cpu_prepack):
+            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
+                                  top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+
+    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
+                  eos_token_id, pad_token_id, streamer, generation_config, generator) -> torch.Tensor:
         settings = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                   pad_token_id, generation_config)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)

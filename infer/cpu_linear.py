@@ -1,0 +1,81 @@
+"""Prepacked weights for the few-row matmuls of a verify step on CPU.
+
+A decode step multiplies every weight matrix by ONE row, which CPU BLAS runs as a streaming GEMV. A
+verify step multiplies it by the 4-16 rows of a draft tree, and there `F.linear` switches to a GEMM that
+repacks the weight on every call: on SmolLM2-135M (fp32, one EPYC core) a forward over 2-8 tokens costs
+1.6-1.9x a one-token forward, which eats most of what speculation gains (scripts/forward_cost.py).
+Packing each weight once into oneDNN's blocked layout (what torch.compile's CPU freezing does) brings an
+8-token forward to about 1.25x.
+
+`prepacked_linears(model)` switches a model's `nn.Linear` layers to the packed weights for inputs of 2+
+rows while it is active, and back afterwards; one-row calls keep the GEMV. The packed copies stay cached
+on the modules (repacked if a weight changes), so the cost is a second copy of the linear weights in RAM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+from torch import nn
+
+_PACKED = "_selfspec_packed"  # module attribute: (weight version, packed weight)
+
+
+def available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
+    """Default policy: a CPU fp32 model whose linear weights (to be copied) take at most a quarter of RAM."""
+    params = list(model.parameters())
+    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 or not available():
+        return False
+    linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return linear_bytes <= max_ram_fraction * ram
+
+
+def _packed_weight(layer: nn.Linear) -> torch.Tensor:
+    version = layer.weight._version
+    cached = layer.__dict__.get(_PACKED)
+    if cached is None or cached[0] != version or cached[1] is None:
+        with torch.no_grad():
+            cached = (version, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
+        layer.__dict__[_PACKED] = cached
+    return cached[1]
+
+
+def _forward(layer: nn.Linear, plain_forward):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        # x: [..., in_features]; one row (decode) or autograd -> the plain path
+        if (x.numel() == x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32
+                or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
+            return plain_forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer), layer.bias, "none", [], "")
+    return forward
+
+
+@contextlib.contextmanager
+def prepacked_linears(*models: nn.Module | None, enabled: bool = True):
+    """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights."""
+    found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
+             if type(m) is nn.Linear and "forward" not in m.__dict__}  # a shared lm_head counts once
+    layers = list(found.values())
+    for layer in layers:
+        layer.forward = _forward(layer, layer.forward)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.forward
+
+
+def release(model: nn.Module) -> None:
+    """Drop the packed copies cached on `model`'s layers (frees their memory)."""
+    for m in model.modules():
+        m.__dict__.pop(_PACKED, None)

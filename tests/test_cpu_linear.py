@@ -1,0 +1,69 @@
+"""Prepacked CPU linears: same numbers as `nn.Linear`, only inside the block, and greedy output unchanged."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from infer import SelfSpecModel, cpu_linear
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
+
+
+def test_packed_rows_match_plain_linear_and_one_row_is_untouched():
+    torch.manual_seed(0)
+    layer = nn.Linear(48, 80)
+    rows, one = torch.randn(2, 5, 48), torch.randn(1, 1, 48)
+    with torch.no_grad():
+        plain_rows, plain_one = layer(rows), layer(one)
+    with torch.no_grad(), cpu_linear.prepacked_linears(layer):
+        packed_rows, packed_one = layer(rows), layer(one)
+        assert "forward" in layer.__dict__
+    assert "forward" not in layer.__dict__  # restored on exit
+    torch.testing.assert_close(packed_rows, plain_rows, rtol=1e-5, atol=1e-5)
+    assert torch.equal(packed_one, plain_one)  # one row: the plain GEMV path
+    assert cpu_linear._PACKED in layer.__dict__  # the multi-row call really went through a packed weight
+
+
+def test_weight_change_repacks_and_autograd_stays_plain():
+    torch.manual_seed(0)
+    layer = nn.Linear(16, 24)
+    x = torch.randn(4, 16)
+    with cpu_linear.prepacked_linears(layer):
+        with torch.no_grad():
+            before = layer(x)
+            layer.weight.mul_(2)
+            after = layer(x)
+        torch.testing.assert_close(after - layer.bias, 2 * (before - layer.bias), rtol=1e-5, atol=1e-5)
+        y = layer(x.requires_grad_())  # grad enabled: the plain path, so backward works
+        y.sum().backward()
+    assert layer.weight.grad is not None
+
+
+def test_shared_module_is_patched_once():
+    head = nn.Linear(8, 8)
+    a, b = nn.Sequential(head), nn.Sequential(head, nn.Linear(8, 8))
+    with cpu_linear.prepacked_linears(a, b, None):
+        pass
+    assert "forward" not in head.__dict__
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma2"])
+def test_engine_output_same_with_and_without_prepack(arch):
+    target = tiny_model(arch)
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    for prepack in (False, True):
+        model = SelfSpecModel(target, "ngram", cpu_prepack=prepack)
+        assert model.cpu_prepack is prepack
+        assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
+    assert not any("forward" in m.__dict__ for m in target.modules())  # the target is left as it was
+
+
+def test_default_policy_is_cpu_fp32_only():
+    model = tiny_model("llama")
+    assert cpu_linear.worth_it(model)
+    assert not cpu_linear.worth_it(model.to(torch.bfloat16))
+    assert not cpu_linear.worth_it(nn.Module())
