@@ -14,6 +14,7 @@ import os
 import tempfile
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import cached_file
@@ -171,10 +172,16 @@ class DrafterModel(PreTrainedModel):
         their sqrt(D) scale in the module, so it applies here as in the target)."""
         return self._require_target("embedding tokens")["embed"](input_ids).to(self.dtype)
 
-    def target_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The target's lm_head, with its final logit soft-capping when it has one (Gemma 2)."""
+    def target_logits(self, hidden: torch.Tensor, columns: torch.Tensor | None = None) -> torch.Tensor:
+        """The target's lm_head, with its final logit soft-capping when it has one (Gemma 2); only the
+        vocabulary `columns` when given (EAGLE-3's draft vocabulary: a sixth of the work on SmolLM2)."""
         t = self._require_target("the target lm_head")
-        logits = t["lm_head"](hidden.to(t["lm_head"].weight.dtype))
+        head = t["lm_head"]
+        if columns is None:
+            logits = head(hidden.to(head.weight.dtype))
+        else:
+            bias = None if head.bias is None else head.bias[columns]
+            logits = F.linear(hidden.to(head.weight.dtype), head.weight[columns], bias)
         if t["softcap"]:
             logits = torch.tanh(logits / t["softcap"]) * t["softcap"]
         return logits

@@ -1,6 +1,7 @@
 """How much more one target forward costs when it scores n new tokens instead of 1.
 
-This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
+Measured with plain `nn.Linear` and with the prepacked weights SelfSpecModel uses on CPU
+(infer/cpu_linear.py). This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
 over n tokens, so the speedup is bounded by tau / (cost(n) / cost(1)). The forward runs on top of a KV
 cache of `--context` tokens, as a verification step does mid-generation.
 
@@ -49,17 +50,21 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     args = parser.parse_args(argv)
 
+    from infer import cpu_linear
     from infer.embedded import resolve_target
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model, _ = resolve_target(args.target)
-    costs = forward_cost(model, args.context, args.sizes, args.repeats)
+    plain = forward_cost(model, args.context, args.sizes, args.repeats)
+    with cpu_linear.prepacked_linears(model, enabled=cpu_linear.available()):  # what SelfSpecModel does on CPU
+        packed = forward_cost(model, args.context, args.sizes, args.repeats)
     print(f"target {args.target}, context {args.context}, {torch.get_num_threads()} threads, "
-          f"median of {args.repeats}")
-    print("| new tokens | ms per forward | cost vs 1 token |\n| ---: | ---: | ---: |")
-    for n, s in costs.items():
-        print(f"| {n} | {s * 1e3:.1f} | {s / costs[args.sizes[0]]:.2f}x |")
-    print(json.dumps({str(n): s for n, s in costs.items()}))
+          f"median of {args.repeats}; cost relative to a plain 1-token forward")
+    print("| new tokens | plain ms | plain cost | prepacked ms | prepacked cost |\n| ---: | ---: | ---: | ---: | ---: |")
+    one = plain[args.sizes[0]]
+    for n in args.sizes:
+        print(f"| {n} | {plain[n] * 1e3:.1f} | {plain[n] / one:.2f}x | {packed[n] * 1e3:.1f} | {packed[n] / one:.2f}x |")
+    print(json.dumps({"plain": {str(n): s for n, s in plain.items()}, "prepacked": {str(n): s for n, s in packed.items()}}))
 
 
 if __name__ == "__main__":

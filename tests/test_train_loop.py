@@ -199,3 +199,32 @@ def test_target_tokenizer_without_chat_template(workspace, tmp_path):
 def test_every_sample_over_max_length(workspace):
     with pytest.raises(ValueError, match="max_length"):
         run(workspace, "too_long", drafter="eagle", max_length=8, max_steps=1)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_soft_targets_are_the_targets_next_token_logits_at_every_ttt_step(kind):
+    """The soft targets computed once per batch equal the target's lm_head applied, per TTT step, to the
+    shifted last-layer features (restricted to the draft vocabulary for EAGLE-3)."""
+    from conftest import tiny_model
+
+    from train.losses import shift_left
+    from train.objectives import build_objective
+
+    target = tiny_model("llama")
+    options = {"draft_vocab_size": 48} if kind == "eagle3" else {}
+    drafter = heads.build(kind, target, **options)
+    drafter.attach(target)
+    config = load_config(None, {"target": "unused", "data": "unused", "drafter": kind, "loss": "soft"})
+    objective = build_objective(drafter, config)
+    torch.manual_seed(0)
+    last = torch.randn(2, 12, target.config.hidden_size)
+    mask = torch.rand(2, 12) > 0.4
+    rows, index = objective._soft_targets(last, mask)
+    length = 11
+    for s in range(3):
+        valid = shift_left(mask, 2 + s, False)[:, :length]
+        got = rows[shift_left(index, 1 + s, -1)[:, :length][valid]]
+        expected = target.lm_head(shift_left(last, 1 + s)[:, :length][valid])
+        if kind == "eagle3":
+            expected = expected[:, objective.to_target]
+        torch.testing.assert_close(got, expected)

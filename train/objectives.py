@@ -108,6 +108,7 @@ class EagleObjective(nn.Module):
             hidden_in = hidden_in + (torch.rand_like(hidden_in) * 2 - 1) * noise
         last = features.get(self.last)  # [B, T, D]: regression targets (EAGLE-1/2) and soft targets
         cache = _new_cache() if steps > 1 else None
+        soft = self._soft_targets(last, mask)
         loss, logs = hidden_in.new_zeros(()), {}
         correct = torch.zeros((steps, ids.shape[0], length), dtype=torch.bool, device=ids.device)
         valid_all = torch.zeros_like(correct)
@@ -121,7 +122,7 @@ class EagleObjective(nn.Module):
                 cache_position=torch.arange(s * length, (s + 1) * length, device=ids.device), **extra)
             valid = shift_left(mask, 2 + s, False)[:, :length]  # x_{t+2+s} is an assistant token
             labels = shift_left(ids, 2 + s)[:, :length][valid]
-            step_loss, step_logs = self._step_loss(hidden, logits, valid, labels, last, s, length)
+            step_loss, step_logs = self._step_loss(hidden, logits, valid, labels, last, soft, s, length)
             loss = loss + self.config.ttt_decay ** s * step_loss
             logs.update(step_logs)
             if stats is not None:
@@ -135,16 +136,27 @@ class EagleObjective(nn.Module):
             stats.add_chains(correct, valid_all)
         return loss, logs
 
-    def _step_loss(self, hidden, logits, valid, labels, last, s, length):
+    def _soft_targets(self, last, mask):
+        """The target's logits wherever it predicts an assistant token (every TTT step draws its soft
+        targets from these same positions, shifted), computed once per batch; EAGLE-3 needs only its draft
+        vocabulary's columns. Returns (rows [N, V], index [B, T] into rows, -1 elsewhere) or None."""
+        if self.config.loss == "hard":
+            return None
+        predicts = shift_left(mask, 1, False)  # last[:, t] predicts x_{t+1}
+        with torch.no_grad():
+            rows = self.drafter.target_logits(last[predicts], columns=self.to_target if self.eagle3 else None)
+        index = torch.full(predicts.shape, -1, dtype=torch.long, device=predicts.device)
+        index[predicts] = torch.arange(rows.shape[0], device=predicts.device)
+        return rows, index
+
+    def _step_loss(self, hidden, logits, valid, labels, last, soft_targets, s, length):
         logs = {}
         soft = None
-        if self.config.loss != "hard":
-            with torch.no_grad():
-                soft = self.drafter.target_logits(shift_left(last, 1 + s)[:, :length][valid])  # [N, V]
+        if soft_targets is not None:
+            rows, index = soft_targets
+            soft = rows[shift_left(index, 1 + s, -1)[:, :length][valid]]  # [N, V]: the target at t + 1 + s
         if self.eagle3:
             draft_labels = self.to_draft[labels]
-            if soft is not None:
-                soft = soft[:, self.to_target]  # the target's distribution restricted to the draft vocabulary
             tok = token_loss(logits[valid], draft_labels, soft, self.config.loss)
             logs[f"loss/step{s}"] = tok.detach()
             return tok, logs
