@@ -290,6 +290,8 @@ def check_weights_file(path_or_id, **hub_kwargs) -> str:
 class HeadDrafter(Drafter):
     """What every kind's drafting adapter shares: the drafter model, target checks and binding."""
 
+    pure_propose = True  # drafts on a scratch cache it rolls back: a step may skip propose()
+
     def __init__(self, model: DrafterModel):
         self.model = model
         self.feature_layers = model.feature_layers

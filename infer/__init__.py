@@ -1,11 +1,11 @@
 """Inference: tree-verified speculative generation over any transformers causal LM."""
 
 from . import cpu_linear
-from .drafters import DraftModelDrafter, NgramDrafter
+from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter
 from .drafting import Drafter, TargetStep
 from .engine import SelfSpecModel
 from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree, tree_from_paths
 
 __all__ = ["SelfSpecModel", "Drafter", "TargetStep", "DraftTree", "tree_from_paths", "NgramDrafter",
-           "DraftModelDrafter", "SamplingParams", "logits_to_probs", "sample", "cpu_linear"]
+           "DraftModelDrafter", "LookupFirstDrafter", "SamplingParams", "logits_to_probs", "sample", "cpu_linear"]

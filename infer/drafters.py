@@ -46,28 +46,34 @@ class NgramDrafter(Drafter):
         self.context = [torch.cat([ctx, tokens[b][valid[b]]]) for b, ctx in enumerate(self.context)]
         self.roots = step.next_tokens
 
-    def _lookup(self, ctx: torch.Tensor, k: int) -> torch.Tensor:
+    def _lookup(self, ctx: torch.Tensor, k: int) -> tuple[torch.Tensor, int]:
         """The continuation of the latest earlier match of the context's suffix that still has k tokens
-        after it (in a loop the latest match is the suffix's previous copy, with one token after it)."""
+        after it (in a loop the latest match is the suffix's previous copy, with one token after it), and
+        the length of the matched suffix (0: no match)."""
         for n in range(min(self.max_ngram, len(ctx) - 1), self.min_ngram - 1, -1):
             windows = ctx[:-1].unfold(0, n, 1)  # every n-gram that has a token after it
             hits = (windows == ctx[-n:]).all(-1).nonzero()[:, 0]
             if len(hits):
                 room = (len(ctx) - (hits + n)).clamp(max=k)
                 start = int(hits[room == room.max()][-1]) + n
-                return ctx[start:start + k]
-        return ctx[:0]
+                return ctx[start:start + k], n
+        return ctx[:0], 0
 
-    def propose(self, budget: torch.Tensor) -> DraftTree:
+    def lookup(self, budget: torch.Tensor) -> tuple[DraftTree, torch.Tensor]:
+        """The lookup chain of every row and the length of the suffix each row matched ([B], 0 = none)."""
         k = max(0, min(self.num_tokens, int(budget.max())))
         roots = self.roots.cpu()
         found = [self._lookup(torch.cat([ctx, roots[b:b + 1]]), k) for b, ctx in enumerate(self.context)]
         drafts = torch.zeros(len(found), k, dtype=torch.long)
-        for b, cont in enumerate(found):
+        for b, (cont, _) in enumerate(found):
             drafts[b, :len(cont)] = cont
-        lengths = torch.tensor([len(c) for c in found])
+        lengths = torch.tensor([len(c) for c, _ in found])
+        matched = torch.tensor([n for _, n in found])
         device = self.roots.device
-        return chain_tree(self.roots, drafts.to(device), lengths.to(device))
+        return chain_tree(self.roots, drafts.to(device), lengths.to(device)), matched.to(device)
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        return self.lookup(budget)[0]
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.context = [self.context[int(r)] for r in rows]
@@ -158,3 +164,70 @@ class DraftModelDrafter(Drafter):
         self.kv.select_rows(rows)
         self.pending = [self.pending[int(r)] for r in rows]
         self.roots = self.roots[rows]
+
+
+class LookupFirstDrafter(Drafter):
+    """Prompt lookup where the context repeats itself, another drafter everywhere else.
+
+    Each step, a row whose last `min_match` tokens (or more) occur earlier in its context takes the n-gram
+    chain (copying from the prompt: extraction, code edits, quotes), every other row the `primary` tree.
+    Both drafters observe every step. Verification is the same for any tree, so output stays exact.
+    """
+
+    def __init__(self, primary: Drafter, lookup: NgramDrafter | None = None, min_match: int = 3):
+        self.primary, self.lookup = primary, lookup or NgramDrafter()
+        if not 1 <= min_match <= self.lookup.max_ngram:
+            raise ValueError(f"min_match must be in 1..{self.lookup.max_ngram} (the lookup's max_ngram), "
+                             f"got {min_match}")
+        self.min_match = min_match
+        self.feature_layers = primary.feature_layers
+        self.model = getattr(primary, "model", None)  # its linears get the engine's CPU prepacking too
+
+    def check_target(self, target) -> None:
+        self.primary.check_target(target)
+
+    def bind(self, target, sampling, batch_size):
+        super().bind(target, sampling, batch_size)
+        self.primary.bind(target, sampling, batch_size)
+        self.lookup.bind(target, sampling, batch_size)
+
+    def observe(self, step: TargetStep) -> None:
+        self.primary.observe(step)
+        self.lookup.observe(step)
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        chain, matched = self.lookup.lookup(budget)
+        use_chain = matched >= self.min_match  # [B]
+        if use_chain.all() and getattr(self.primary, "pure_propose", False):
+            return chain
+        tree = self.primary.propose(budget)
+        if not use_chain.any():
+            return tree
+        return _pick_rows(use_chain, chain, tree)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self.primary.select_rows(rows)
+        self.lookup.select_rows(rows)
+
+
+def _pick_rows(take_a: torch.Tensor, a: DraftTree, b: DraftTree) -> DraftTree:
+    """Row r of the result is a's row r where take_a[r], else b's; the narrower tree is padded with
+    invalid nodes, and deterministic drafts get one-hot q when the other tree carries q."""
+    n = max(a.num_nodes, b.num_nodes)
+
+    def widened(t: DraftTree, vocab: int | None):
+        pad = n - t.num_nodes
+        tokens = torch.nn.functional.pad(t.tokens, (0, pad))
+        parents = torch.nn.functional.pad(t.parents, (0, pad))  # pads hang off the root, invalid
+        valid = torch.nn.functional.pad(t.valid, (0, pad), value=False)
+        q = None
+        if vocab is not None:
+            q = t.q if t.q is not None else torch.nn.functional.one_hot(t.tokens, vocab).float()
+            q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+        return tokens, parents, valid, q
+
+    vocab = next((t.q.shape[-1] for t in (a, b) if t.q is not None), None)
+    wa, wb = widened(a, vocab), widened(b, vocab)
+    pick = [torch.where(take_a.view(-1, *[1] * (x.dim() - 1)), x, y) if x is not None else None
+            for x, y in zip(wa, wb, strict=True)]
+    return DraftTree(*pick)

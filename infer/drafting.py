@@ -45,6 +45,8 @@ class Drafter:
     # Indices into the target's `output_hidden_states` tuple (0 = embeddings, L = last layer after the
     # final norm) that `observe` needs in `TargetStep.hidden`.
     feature_layers: tuple[int, ...] = ()
+    # True if propose() leaves no state behind, so a wrapper (LookupFirstDrafter) may skip it for a step.
+    pure_propose: bool = False
 
     def check_target(self, target) -> None:
         """Raise ValueError if this drafter cannot serve `target`."""

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu_linear
-from .drafters import DraftModelDrafter, NgramDrafter
+from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
 from .sampling import SamplingParams, next_token
@@ -33,10 +33,11 @@ from .verify import accept_greedy, accept_sampled, accept_typical
 MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
-def as_drafter(drafter, target, tokenizer=None) -> Drafter:
+def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> Drafter:
     """Turn what the user passed into a `Drafter`: heads model, "ngram", a draft LM, or a Drafter.
 
-    With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with."""
+    With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with. With
+    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead."""
     if isinstance(drafter, Drafter):
         out = drafter
     elif isinstance(drafter, str):
@@ -52,6 +53,8 @@ def as_drafter(drafter, target, tokenizer=None) -> Drafter:
     else:
         raise TypeError(f"cannot draft with a {type(drafter).__name__}: pass 'ngram', a heads model, a "
                         "causal LM sharing the target's tokenizer, or an infer.Drafter")
+    if lookup_first and not isinstance(out, (NgramDrafter, LookupFirstDrafter)):
+        out = LookupFirstDrafter(out)
     out.check_target(target)
     return out
 
@@ -105,14 +108,15 @@ class SelfSpecModel:
     """
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
-                 cpu_prepack: bool | None = None):
-        """`cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights (see
+                 cpu_prepack: bool | None = None, lookup_first: bool = False):
+        """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
+        itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights (see
         `infer.cpu_linear`); None = on for an fp32 CPU target whose weights take at most a quarter of RAM."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         _ensure_maskable(target)
         self.target = target.eval()
-        self.drafter = as_drafter(drafter, self.target, tokenizer)
+        self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first)
         self.typical_acceptance = typical_acceptance
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():

@@ -502,6 +502,16 @@ def test_speculative_greedy_equals_target_generate(case, batch):
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+def test_lookup_first_with_a_trained_kind_stays_exact(kind):
+    """Rows switch between prompt-lookup chains and the drafter's tree from step to step."""
+    target = target_for("llama")
+    ids = torch.tensor([[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]])
+    expected = target.generate(ids, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    model = SelfSpecModel(target, heads.build(kind, target.config), lookup_first=True)
+    assert torch.equal(model.generate(ids, max_new_tokens=24, eos_token_id=[]), expected)
+
+
 def test_adapter_with_tree_overrides_and_a_bf16_target():
     """A float32 drafter serves a bfloat16 target (inputs are cast at the boundary, the drafter is not
     converted), and `as_drafter(**overrides)` goes straight to the engine."""

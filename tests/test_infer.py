@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, perturbed_copy, tiny_model
 
-from infer import DraftTree, SelfSpecModel
+from infer import DraftModelDrafter, DraftTree, LookupFirstDrafter, SelfSpecModel
 from infer.drafters import NgramDrafter
 from infer.drafting import Drafter, TargetStep
 
@@ -35,6 +35,7 @@ DRAFTERS = {
     "ngram": lambda target: "ngram",
     "draft_model": lambda target: perturbed_copy(target),
     "unrelated_draft_model": lambda target: tiny_model(target.config.model_type, seed=11),
+    "lookup_first": lambda target: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target)), min_match=1),
 }
 
 
@@ -144,9 +145,32 @@ def test_ngram_speculates_on_repetitive_output():
 def test_ngram_lookup_finds_latest_match():
     d = NgramDrafter(num_tokens=3, max_ngram=2)
     ctx = torch.tensor([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
-    assert d._lookup(ctx, 3).tolist() == [9, 1, 5]
-    assert d._lookup(ctx, 5).tolist() == [7, 8, 5, 6, 9]  # the later match has only 4 tokens after it
-    assert d._lookup(torch.tensor([1, 2, 3]), 3).tolist() == []
+    assert [x.tolist() if torch.is_tensor(x) else x for x in d._lookup(ctx, 3)] == [[9, 1, 5], 2]
+    # the later match has only 4 tokens after it
+    assert [x.tolist() if torch.is_tensor(x) else x for x in d._lookup(ctx, 5)] == [[7, 8, 5, 6, 9], 2]
+    assert d._lookup(torch.tensor([1, 2, 3]), 3)[1] == 0
+    assert d._lookup(torch.tensor([4, 2, 3, 2]), 3)[1] == 1
+
+
+def test_lookup_first_takes_the_chain_only_on_a_long_enough_match():
+    class Scripted(Drafter):
+        pure_propose = True
+
+        def observe(self, step):
+            self.roots = step.next_tokens
+
+        def propose(self, budget):
+            return DraftTree(torch.stack([self.roots, self.roots * 0 + 50], 1), torch.tensor([[-1, 0]] * 2),
+                             torch.ones(2, 2, dtype=torch.bool))
+
+    d = LookupFirstDrafter(Scripted(), min_match=2)
+    d.bind(None, None, 2)
+    # with their roots, row 0 ends in a repeated bigram (8 9), row 1 in a repeated unigram (2)
+    seqs = torch.tensor([[7, 8, 9, 1, 7, 8], [7, 8, 9, 1, 2, 3]])
+    d.observe(TargetStep(seqs, torch.ones_like(seqs, dtype=torch.bool), seqs, (), torch.tensor([9, 2])))
+    tree = d.propose(torch.tensor([5, 5]))
+    assert tree.tokens[0][tree.valid[0]].tolist() == [9, 1, 7, 8, 9]  # the copy of "7 8 | 9 1 7 8 ..."
+    assert tree.tokens[1][tree.valid[1]].tolist() == [2, 50]  # a unigram match only: the primary's tree
 
 
 def test_eos_stops_rows_and_pads_like_generate():

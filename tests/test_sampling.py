@@ -24,7 +24,7 @@ from transformers.generation.logits_process import (
 )
 
 import infer.engine
-from infer import DraftTree, SelfSpecModel
+from infer import DraftModelDrafter, DraftTree, LookupFirstDrafter, SelfSpecModel
 from infer.drafting import Drafter
 from infer.sampling import logits_to_probs
 from infer.verify import _path_to
@@ -110,10 +110,13 @@ def drafters(target):
         "tree": FixedTree(children=likely[:3], grandchildren=likely[:2]),
         "ngram": "ngram",
         "draft_model": perturbed_copy(target, scale=0.3, seed=5),
+        # rows switch between a one-hot lookup chain and sampled drafts with their q, step by step
+        "lookup_first": LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target, scale=0.3, seed=5)),
+                                           min_match=2),
     }
 
 
-@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model"])
+@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)])
 def test_sampling_matches_target_distribution(target, kind, temperature, top_k, top_p):
     model = SelfSpecModel(target, drafters(target)[kind])
