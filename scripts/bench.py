@@ -7,6 +7,7 @@ question so that every method sees the same machine state:
     baseline   target.generate(do_sample=False)                       -- transformers greedy
     pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
     <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
+    <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
 
 Per category it reports the mean accepted length tau (new tokens per target forward, the prefill forward
 included; greedy is 1.0 by definition), tokens/s, and speedups over both transformers methods, from the
@@ -117,10 +118,10 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
     return Method(name, run)
 
 
-def engine_method(target, drafter, name: str) -> Method:
+def engine_method(target, drafter, name: str, lookup_first: bool = False) -> Method:
     from infer import SelfSpecModel
 
-    model = SelfSpecModel(target, drafter)
+    model = SelfSpecModel(target, drafter, lookup_first=lookup_first)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -149,6 +150,8 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     """(name, drafter) for `ngram`, `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
 
     `tree` overrides a trained drafter's saved drafting settings (e.g. depth, top_k, total_tokens)."""
+    if spec.endswith(LOOKUP_SUFFIX):
+        raise ValueError(f"strip {LOOKUP_SUFFIX!r} before load_drafter (see drafter_method)")
     if spec == "ngram":
         return "ngram", "ngram"
     if spec.startswith("draft-model:"):
@@ -163,6 +166,16 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     if tree:
         drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **tree})
     return f"{drafter.kind}:{Path(spec).name}", drafter
+
+
+LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
+
+
+def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
+    lookup_first = spec.endswith(LOOKUP_SUFFIX)
+    base = spec[: -len(LOOKUP_SUFFIX)] if lookup_first else spec
+    name, drafter = load_drafter(base, target, tree)
+    return engine_method(target, drafter, name + (LOOKUP_SUFFIX if lookup_first else ""), lookup_first)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -416,7 +429,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
     parser.add_argument("--questions", required=True, help="jsonl with question_id, category, turns")
     parser.add_argument("--drafter", action="append", default=[],
-                        help="ngram | path/to/drafter_folder | draft-model:<path>; repeat for several")
+                        help="ngram | path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
+                             f"{LOOKUP_SUFFIX!r} (prompt lookup first); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")
@@ -446,8 +460,7 @@ def main(argv=None) -> int:
     if not args.no_pld:
         methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
-        name, drafter = load_drafter(spec, target, parse_tree(args.tree))
-        methods.append(engine_method(target, drafter, name))
+        methods.append(drafter_method(spec, target, parse_tree(args.tree)))
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
 

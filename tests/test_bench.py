@@ -116,7 +116,7 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
 
     # The same run with an engine that emits a wrong token must fail under --strict.
     real = bench.engine_method
-    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name: broken_method(target))
+    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, lookup_first=False: broken_method(target))
     assert bench.main(argv) == 1
     monkeypatch.setattr(bench, "engine_method", real)
 
@@ -171,7 +171,9 @@ def test_saved_drafter_with_tree_override(questions_file, tmp_path):
     name, drafter = bench.load_drafter(str(tmp_path / "eagle"), target, bench.parse_tree("depth=2,top_k=2,total_tokens=4"))
     assert name == "eagle:eagle"
     assert (drafter.config.tree["depth"], drafter.config.tree["total_tokens"]) == (2, 4)
-    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name)]
+    lookup = bench.drafter_method(str(tmp_path / "eagle") + "+lookup", target)
+    assert lookup.name == "eagle:eagle+lookup"
+    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name), lookup]
     result = bench.run_bench(target, tokenizer, bench.load_questions(questions_file), methods, max_new_tokens=8,
                              progress=False, warmup=False)
     assert result["mismatches"] == []  # an untrained drafter is slow, never wrong
