@@ -165,7 +165,9 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     drafter = heads.load(spec)
     if tree:
         drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **tree})
-    return f"{drafter.kind}:{Path(spec).name}", drafter
+    folder = Path(spec)
+    label = folder.parent.name if folder.name == "drafter" and folder.parent.name else folder.name  # runs/x/drafter -> x
+    return f"{drafter.kind}:{label}", drafter
 
 
 LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
