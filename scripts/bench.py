@@ -177,6 +177,8 @@ def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
     lookup_first = spec.endswith(LOOKUP_SUFFIX)
     base = spec[: -len(LOOKUP_SUFFIX)] if lookup_first else spec
     name, drafter = load_drafter(base, target, tree)
+    if isinstance(drafter, torch.nn.Module):
+        drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
     return engine_method(target, drafter, name + (LOOKUP_SUFFIX if lookup_first else ""), lookup_first)
 
 
@@ -217,13 +219,13 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     try:
         with torch.inference_mode():
             if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
-                ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}])
+                ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
                 for m in tqdm(methods, desc="warm-up", disable=not progress):
                     m.run(ids, min(max_new_tokens, 32))
             work = [(q, t) for q in questions for t in range(min(turns, len(q["turns"])))]
             for q, turn in tqdm(work, desc="bench", disable=not progress):
                 messages = history.get(q["question_id"], []) + [{"role": "user", "content": q["turns"][turn]}]
-                ids = render(tokenizer, messages)
+                ids = render(tokenizer, messages).to(target.device)
                 results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
                 for name in results:
                     results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
@@ -256,6 +258,8 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
             counter.calls = 0
             tic = time.perf_counter()
             out, stats = m.run(ids, max_new_tokens)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize(out.device)
             seconds = time.perf_counter() - tic
             r = results[m.name]
             r["seconds_all"].append(seconds)
@@ -446,6 +450,7 @@ def main(argv=None) -> int:
     parser.add_argument("--no-pld", action="store_true", help="skip the transformers prompt-lookup baseline")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="where the target and drafters run, e.g. cuda")
     parser.add_argument("--strict", action="store_true", help="exit 1 if any greedy output differs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
@@ -458,6 +463,7 @@ def main(argv=None) -> int:
     if not questions:
         parser.error("no questions selected")
     target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))
+    target.to(args.device)
     methods = [hf_method(target, BASELINE)]
     if not args.no_pld:
         methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
