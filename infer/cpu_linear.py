@@ -5,7 +5,8 @@ verify step multiplies it by the 4-16 rows of a draft tree, and there `F.linear`
 repacks the weight on every call: on SmolLM2-135M (fp32, one EPYC core) a forward over 2-8 tokens costs
 1.6-1.9x a one-token forward, which eats most of what speculation gains (scripts/forward_cost.py).
 Packing each weight once into oneDNN's blocked layout (what torch.compile's CPU freezing does) brings an
-8-token forward to about 1.25x.
+8-token forward to about 1.1x on one thread, and below a plain one-token forward on two, where the packed
+GEMM uses both cores and the stock GEMV does not (docs/benchmarks.md).
 
 `prepacked_linears(model)` switches a model's `nn.Linear` layers to the packed weights for inputs of 2+
 rows while it is active, and back afterwards; one-row calls keep the GEMV. The packed copies stay cached
@@ -43,7 +44,7 @@ def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
 def _packed_weight(layer: nn.Linear) -> torch.Tensor:
     version = layer.weight._version
     cached = layer.__dict__.get(_PACKED)
-    if cached is None or cached[0] != version or cached[1] is None:
+    if cached is None or cached[0] != version:
         with torch.no_grad():
             cached = (version, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
         layer.__dict__[_PACKED] = cached
@@ -73,9 +74,3 @@ def prepacked_linears(*models: nn.Module | None, enabled: bool = True):
     finally:
         for layer in layers:
             del layer.forward
-
-
-def release(model: nn.Module) -> None:
-    """Drop the packed copies cached on `model`'s layers (frees their memory)."""
-    for m in model.modules():
-        m.__dict__.pop(_PACKED, None)

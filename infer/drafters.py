@@ -6,6 +6,7 @@ Both propose a chain: a tree with one branch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
@@ -217,13 +218,13 @@ def _pick_rows(take_a: torch.Tensor, a: DraftTree, b: DraftTree) -> DraftTree:
 
     def widened(t: DraftTree, vocab: int | None):
         pad = n - t.num_nodes
-        tokens = torch.nn.functional.pad(t.tokens, (0, pad))
-        parents = torch.nn.functional.pad(t.parents, (0, pad))  # pads hang off the root, invalid
-        valid = torch.nn.functional.pad(t.valid, (0, pad), value=False)
+        tokens = F.pad(t.tokens, (0, pad))
+        parents = F.pad(t.parents, (0, pad))  # pads hang off the root, invalid
+        valid = F.pad(t.valid, (0, pad), value=False)
         q = None
         if vocab is not None:
-            q = t.q if t.q is not None else torch.nn.functional.one_hot(t.tokens, vocab).float()
-            q = torch.nn.functional.pad(q, (0, 0, 0, pad))
+            q = t.q if t.q is not None else F.one_hot(t.tokens, vocab).float()
+            q = F.pad(q, (0, 0, 0, pad))
         return tokens, parents, valid, q
 
     vocab = next((t.q.shape[-1] for t in (a, b) if t.q is not None), None)

@@ -1,9 +1,9 @@
 """How much more one target forward costs when it scores n new tokens instead of 1.
 
-Measured with plain `nn.Linear` and with the prepacked weights SelfSpecModel uses on CPU
-(infer/cpu_linear.py). This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
+This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
 over n tokens, so the speedup is bounded by tau / (cost(n) / cost(1)). The forward runs on top of a KV
-cache of `--context` tokens, as a verification step does mid-generation.
+cache of `--context` tokens, as a verification step does mid-generation, once with plain `nn.Linear` and
+once with the prepacked weights SelfSpecModel uses on CPU (infer/cpu_linear.py).
 
     python scripts/forward_cost.py --target smollm2-135m-instruct --context 256
 """
