@@ -110,8 +110,9 @@ class SelfSpecModel:
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
                  cpu_prepack: bool | None = None, lookup_first: bool = False):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
-        itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights (see
-        `infer.cpu_linear`); None = on for an fp32 CPU target whose weights take at most a quarter of RAM."""
+        itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
+        prepacked oneDNN weights (`infer.cpu_linear`); None = on for an fp32 CPU target whose linear weights
+        take at most a quarter of RAM."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         _ensure_maskable(target)

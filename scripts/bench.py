@@ -166,7 +166,8 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     if tree:
         drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **tree})
     folder = Path(spec)
-    label = folder.parent.name if folder.name == "drafter" and folder.parent.name else folder.name  # runs/x/drafter -> x
+    # a run's drafter lives in runs/<run>/drafter: name it by the run
+    label = folder.parent.name if folder.name == "drafter" and folder.parent.name else folder.name
     return f"{drafter.kind}:{label}", drafter
 
 

@@ -60,11 +60,14 @@ def main(argv=None) -> None:
         packed = forward_cost(model, args.context, args.sizes, args.repeats)
     print(f"target {args.target}, context {args.context}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}; cost relative to a plain 1-token forward")
-    print("| new tokens | plain ms | plain cost | prepacked ms | prepacked cost |\n| ---: | ---: | ---: | ---: | ---: |")
+    print("| new tokens | plain ms | plain cost | prepacked ms | prepacked cost |")
+    print("| ---: | ---: | ---: | ---: | ---: |")
     one = plain[args.sizes[0]]
     for n in args.sizes:
-        print(f"| {n} | {plain[n] * 1e3:.1f} | {plain[n] / one:.2f}x | {packed[n] * 1e3:.1f} | {packed[n] / one:.2f}x |")
-    print(json.dumps({"plain": {str(n): s for n, s in plain.items()}, "prepacked": {str(n): s for n, s in packed.items()}}))
+        print(f"| {n} | {plain[n] * 1e3:.1f} | {plain[n] / one:.2f}x | {packed[n] * 1e3:.1f} | "
+              f"{packed[n] / one:.2f}x |")
+    print(json.dumps({kind: {str(n): s for n, s in costs.items()}
+                      for kind, costs in (("plain", plain), ("prepacked", packed))}))
 
 
 if __name__ == "__main__":
