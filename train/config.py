@@ -78,7 +78,8 @@ class TrainConfig:
     eval_every: int = 0  # optimizer steps between evaluations (0 = only at the end)
     save_every: int = 0  # optimizer steps between checkpoints (0 = none)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
-    resume: bool = False  # continue from the newest checkpoint in <output_dir>/checkpoints
+    resume: bool = False  # continue from the newest intact checkpoint in <output_dir>/checkpoints, with the same settings
+    overwrite: bool = False  # start a new run in a used output_dir: deletes its checkpoints/, drafter/, history.jsonl, result.json
     halt_after_steps: int = 0  # stop after this many steps without the final save, as a kill would (tests, preemption drills)
     report_to: str = "none"  # none | wandb (WANDB_MODE=offline/disabled is honoured)
     wandb_project: str = "selfspec"  # wandb project name
@@ -162,6 +163,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     return config
 
 
+# Fields that must be >= 0, with what 0 means (or why negative makes no sense).
+NON_NEGATIVE = {
+    "max_samples": "0 = all conversations",
+    "max_eval_samples": "a cap on the held-out split",
+    "max_steps": "0 = derived from epochs",
+    "warmup_steps": "0 = no warm-up",
+    "weight_decay": "0 = none",
+    "max_grad_norm": "0 = no clipping",
+    "feature_noise": "the half-width of uniform noise; 0 = none",
+    "feature_loss_weight": "a loss weight",
+    "token_loss_weight": "a loss weight",
+    "target_kl_weight": "a loss weight",
+    "lora_r": "0 = frozen target",
+    "log_every": "0 = no log lines",
+    "eval_every": "0 = only at the end",
+    "save_every": "0 = no checkpoints",
+    "halt_after_steps": "0 = never halt",
+}
+
+
 def validate(config: TrainConfig) -> None:
     """Checks that need no model or data; raise before anything expensive runs."""
     choices = {
@@ -179,11 +200,27 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(f"config key {name!r} must be one of {allowed}, got {getattr(config, name)!r}")
     if not config.data:
         raise ValueError("config key 'data' is empty: give a hub dataset id or a .json/.jsonl/.parquet file")
-    for name in ("max_length", "batch_size", "grad_accum", "epochs", "ttt_steps", "eval_steps_depth"):
+    for name in ("max_length", "batch_size", "grad_accum", "epochs", "ttt_steps", "eval_steps_depth",
+                 "keep_checkpoints"):
         if getattr(config, name) < 1:
             raise ValueError(f"config key {name!r} must be >= 1, got {getattr(config, name)}")
+    for name, meaning in NON_NEGATIVE.items():
+        if not getattr(config, name) >= 0:  # also refuses NaN
+            raise ValueError(f"config key {name!r} must be >= 0 ({meaning}), got {getattr(config, name)}")
+    for name in ("lr", "head_decay", "ttt_decay"):
+        if not getattr(config, name) > 0:  # also refuses NaN
+            raise ValueError(f"config key {name!r} must be > 0, got {getattr(config, name)}")
     if not 0.0 <= config.eval_fraction < 1.0:
         raise ValueError(f"config key 'eval_fraction' must be in [0, 1), got {config.eval_fraction}")
+    if not 0.0 <= config.lora_dropout < 1.0:
+        raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got {config.lora_dropout}")
+    if config.lora_r > 0 and config.lora_alpha <= 0:
+        raise ValueError(f"config key 'lora_alpha' must be > 0 with lora_r > 0, got {config.lora_alpha}")
+    if not config.output_dir:
+        raise ValueError("config key 'output_dir' is empty: give the folder for checkpoints and the drafter")
+    if config.resume and config.overwrite:
+        raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
+                         "output_dir, overwrite deletes it; set only one")
     if config.lora_r > 0 and config.drafter != "medusa":
         raise ValueError("lora_r > 0 (Medusa-2) is only supported with drafter: medusa")
     if config.lora_r > 0 and config.features == "offline":
