@@ -15,6 +15,7 @@ character span. Templates that rewrite earlier turns (so that prefixes are not p
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
+ROLES = ("system", "user", "assistant")  # roles of the OpenAI messages format
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -35,12 +37,44 @@ def load_rows(source: str, split: str = "train"):
     if path.suffix in LOCAL_SUFFIXES:
         if not path.is_file():
             raise ValueError(f"data file {source!r} does not exist")
-        if path.suffix != ".parquet" and path.read_text().strip() in ("", "[]"):
-            raise ValueError(f"the dataset {source!r} is empty")
+        if path.suffix != ".parquet":
+            text = path.read_text()
+            if text.strip() in ("", "[]"):
+                raise ValueError(f"the dataset {source!r} is empty")
+            check_json(text, source)
         return datasets.load_dataset(LOCAL_SUFFIXES[path.suffix], data_files=str(path), split="train")
     if path.exists():
         raise ValueError(f"data {source!r}: local data must be a .json, .jsonl or .parquet file")
     return datasets.load_dataset(source, split=split)
+
+
+def check_json(text: str, source: str) -> None:
+    """A JSON array of row objects, or JSON Lines of row objects; raise naming the line that is not.
+
+    `datasets` reports a malformed line without its number, so the file is read here first.
+    """
+    if text.lstrip().startswith("["):
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}: line {err.lineno} is not valid JSON ({err.msg}, column {err.colno}); "
+                             "fix that line") from None
+        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
+        if bad is not None:
+            raise ValueError(f"{source}: element {bad} of the top-level array is {type(rows[bad]).__name__}, not "
+                             "an object with the row's fields")
+        return
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{source}: line {number} is not valid JSON ({err.msg}, column {err.colno}); fix "
+                             "or remove that line (JSON Lines: one object per line)") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{source}: line {number} is a JSON {type(row).__name__}, not an object; JSON Lines "
+                             "data holds one row object per line")
 
 
 def detect_format(columns) -> str:
@@ -56,24 +90,61 @@ def detect_format(columns) -> str:
         "(ShareGPT, from/value), 'messages' (OpenAI, role/content) or 'instruction'+'output' (Alpaca)")
 
 
-def to_messages(row: dict, fmt: str) -> list[dict]:
-    """One row as a list of {"role", "content"} messages."""
+def row_name(index: int, row: dict) -> str:
+    """How errors name a row: its position (from 0) and its id if it has one."""
+    return f"row {index} (id {row['id']!r})" if row.get("id") is not None else f"row {index}"
+
+
+def to_messages(row: dict, fmt: str, where: str = "a row") -> list[dict]:
+    """One row as a list of {"role", "content"} messages; `where` names the row in errors."""
     if fmt == "alpaca":
+        for name in ("instruction", "output"):
+            if not isinstance(row[name], str):
+                raise ValueError(f"{where}: Alpaca field {name!r} is {row[name]!r}, not text; fix or drop the row")
         prompt = row["instruction"]
         if row.get("input"):
             prompt = f"{prompt}\n\n{row['input']}"
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": row["output"]}]
     if fmt == "sharegpt":
+        turns = _turns(row, "conversations", where)
         messages = []
-        for turn in row["conversations"]:
-            role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        for i, turn in enumerate(turns):
+            role = SHAREGPT_ROLES.get(str(turn.get("from")).lower())
             if role is None:
-                raise ValueError(f"ShareGPT turn has unknown 'from' value {turn['from']!r}")
-            messages.append({"role": role, "content": turn["value"]})
+                raise ValueError(f"{where}: ShareGPT turn {i} has unknown 'from' value {turn.get('from')!r}; "
+                                 f"known values: {sorted(SHAREGPT_ROLES)}")
+            messages.append({"role": role, "content": turn.get("value")})
         return messages
     if fmt == "messages":
-        return [{"role": m["role"], "content": m["content"]} for m in row["messages"]]
+        messages = []
+        for i, m in enumerate(_turns(row, "messages", where)):
+            if m.get("role") not in ROLES:
+                hint = ""
+                if str(m.get("role")).lower() in SHAREGPT_ROLES:
+                    hint = (f" ({m.get('role')!r} is a ShareGPT speaker name: rename it to "
+                            f"{SHAREGPT_ROLES[str(m.get('role')).lower()]!r}, or give the rows as ShareGPT "
+                            "'conversations' of from/value)")
+                raise ValueError(f"{where}: message {i} has role {m.get('role')!r}; roles must be one of "
+                                 f"{list(ROLES)}{hint}")
+            messages.append({"role": m["role"], "content": m.get("content")})
+        return messages
     raise ValueError(f"unknown data format {fmt!r}")
+
+
+def _turns(row: dict, column: str, where: str) -> list[dict]:
+    turns = row[column]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
+        raise ValueError(f"{where}: {column!r} must be a list of objects, got {turns!r:.80}")
+    return turns
+
+
+def check_contents(messages: list[dict], where: str) -> None:
+    """Every message must hold text: a null reply would train as an empty one."""
+    for i, m in enumerate(messages):
+        if not isinstance(m["content"], str):
+            fix = ("fill in the reply, drop the row, or regenerate the replies with train.regenerate"
+                   if m["role"] == "assistant" else "fill it in or drop the row")
+            raise ValueError(f"{where}: message {i} ({m['role']}) has content {m['content']!r:.60}, not text; {fix}")
 
 
 def check_chat_template(tokenizer) -> None:
@@ -147,22 +218,45 @@ class Sample:
     loss_mask: list[int]
 
 
-def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tuple[list[Sample], DataStats]:
-    """Tokenize every row; truncate to max_length; drop samples left without assistant tokens."""
-    check_chat_template(tokenizer)
+@dataclass
+class Conversation:
+    id: str
+    messages: list[dict]
+    last_reply_cut: bool  # "finished": false from train.regenerate
+
+
+def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], DataStats]:
+    """Every row as checked messages; needs no tokenizer, so bad data fails before the target loads."""
     if len(rows) == 0:
         raise ValueError("the dataset is empty")
     fmt = detect_format(rows.column_names)
     if max_samples:
         rows = rows.select(range(min(max_samples, len(rows))))
     stats = DataStats(rows=len(rows), extra={"format": fmt})
-    samples = []
+    out = []
     for index, row in enumerate(rows):
-        messages = to_messages(row, fmt)
+        where = row_name(index, row)
+        messages = to_messages(row, fmt, where)
+        check_contents(messages, where)
         if not any(m["role"] == "assistant" for m in messages):
             stats.no_assistant += 1
             continue
-        ids, mask = tokenize_conversation(tokenizer, messages, last_reply_cut=row.get("finished") is False)
+        if messages[0]["role"] == "assistant":
+            raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt "
+                             "before it")
+        out.append(Conversation(str(row.get("id", index)), messages, row.get("finished") is False))
+    if stats.no_assistant == stats.rows:
+        raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
+    return out, stats
+
+
+def tokenize_conversations(conversations: list[Conversation], stats: DataStats, tokenizer,
+                           max_length: int) -> tuple[list[Sample], DataStats]:
+    """Tokenize; truncate to max_length; drop samples left without assistant tokens."""
+    check_chat_template(tokenizer)
+    samples = []
+    for c in conversations:
+        ids, mask = tokenize_conversation(tokenizer, c.messages, last_reply_cut=c.last_reply_cut)
         if len(ids) > max_length:
             stats.truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
@@ -170,15 +264,19 @@ def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tup
         if sum(mask[1:]) == 0:
             stats.dropped_after_truncation += 1
             continue
-        samples.append(Sample(str(row.get("id", index)), ids, mask))
+        samples.append(Sample(c.id, ids, mask))
         stats.assistant_tokens += sum(mask)
-    if stats.no_assistant == stats.rows:
-        raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
     if not samples:
         raise ValueError(
             f"every sample lost all assistant tokens when truncated to max_length={max_length} "
             f"({stats.dropped_after_truncation} dropped); raise max_length")
     return samples, stats
+
+
+def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tuple[list[Sample], DataStats]:
+    """Rows to training samples: `read_conversations`, then `tokenize_conversations`."""
+    check_chat_template(tokenizer)
+    return tokenize_conversations(*read_conversations(rows, max_samples), tokenizer, max_length)
 
 
 def split_samples(samples: list[Sample], eval_fraction: float, max_eval: int, seed: int):

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from .data import detect_format, load_rows, to_messages
+from .data import detect_format, load_rows, row_name, to_messages
 
 
 def read_done_ids(out: Path) -> set[str]:
@@ -112,7 +112,7 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
     for index, row in enumerate(rows):
         id_ = str(row.get("id", index))
         if id_ not in done:
-            todo.append((id_, conversation_plan(to_messages(row, fmt))))
+            todo.append((id_, conversation_plan(to_messages(row, fmt, row_name(index, row)))))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
