@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import random
+import re
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -96,17 +100,128 @@ def test_kill_and_resume_equals_uninterrupted(workspace, kind, extra):
     assert halted["halted"] and halted["step"] == 3
     assert not (workspace["root"] / f"resumed_{kind}" / "drafter").exists()
     resumed = run(workspace, f"resumed_{kind}", resume=True, **common)
-    assert resumed["step"] == 7 and len(resumed["history"]) == 4
-    assert [h["loss"] for h in resumed["history"]] == [h["loss"] for h in straight["history"][3:]]
-    a, b = _weights(straight), _weights(resumed)
-    assert a.keys() == b.keys()
-    for name in a:
-        assert torch.equal(a[name], b[name]), name
+    assert resumed["step"] == 7
+    assert_same_run(workspace["root"] / f"straight_{kind}", straight, workspace["root"] / f"resumed_{kind}", resumed)
+
+
+def assert_same_run(folder_a, a, folder_b, b):
+    """Weights, history (returned and on disk) and counters of two runs are identical."""
+    assert b["history"] == a["history"]
+    assert b["assistant_tokens_seen"] == a["assistant_tokens_seen"]
+    assert (folder_b / "history.jsonl").read_text() == (folder_a / "history.jsonl").read_text()
+    wa, wb = _weights(a), _weights(b)
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
 
 
 def test_resume_without_checkpoint_is_an_error(workspace):
     with pytest.raises(ValueError, match="no checkpoint"):
         run(workspace, "never_saved", drafter="eagle", max_steps=2, resume=True)
+
+
+def test_sigkill_at_a_random_step_then_resume_equals_uninterrupted(workspace):
+    """A real SIGKILL (maybe mid-save), then --resume from the command line: same weights, history, counters."""
+    common = dict(drafter="eagle", max_steps=60, save_every=4, feature_noise=0.1)
+    straight = run(workspace, "sigkill_straight", **common)
+    out = workspace["root"] / "sigkill"
+    kill_after = random.Random().randint(5, 40)
+    args = [f"{k}={json.dumps(v) if not isinstance(v, str) else v}" for k, v in {
+        "target": workspace["target"], "data": workspace["data"], "output_dir": str(out),
+        "feature_cache_dir": workspace["cache"], "batch_size": 8, "lr": 3e-3, "eval_fraction": 0.2,
+        "progress_bar": False, "log_every": 0, "eval_steps_depth": 2, **common}.items()]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the in-process runs use one thread too (conftest)
+    proc = subprocess.Popen([sys.executable, str(ROOT / "train" / "train_heads.py"), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    history = out / "history.jsonl"
+    deadline = time.monotonic() + 300
+    while proc.poll() is None and time.monotonic() < deadline:
+        if history.is_file() and history.read_text().count("\n") >= kill_after:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.002)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL, (kill_after, proc.returncode, stderr[-3000:])
+    done = history.read_text().count("\n")
+    assert kill_after <= done < 60 and not (out / "drafter").exists(), (kill_after, done)
+
+    resumed = run(workspace, "sigkill", resume=True, **common)
+    assert resumed["step"] == 60, kill_after
+    assert_same_run(workspace["root"] / "sigkill_straight", straight, out, resumed)
+
+
+TORN = {
+    "weights missing": lambda ck: (ck / "model.safetensors").unlink(),
+    "optimizer truncated": lambda ck: (ck / "optimizer.bin").write_bytes((ck / "optimizer.bin").read_bytes()[:100]),
+    "rng state missing": lambda ck: (ck / "random_states_0.pkl").unlink(),
+    "save did not finish": lambda ck: (ck / "checkpoint.json").unlink(),
+}
+
+
+@pytest.mark.parametrize("damage", list(TORN))
+def test_torn_newest_checkpoint_falls_back_to_the_previous_one(workspace, damage):
+    common = dict(drafter="eagle", max_steps=8, save_every=2, feature_noise=0.1)
+    name = f"torn_{damage.replace(' ', '_')}"
+    straight = run(workspace, f"{name}_straight", **common)
+    run(workspace, name, halt_after_steps=6, **common)
+    folder = workspace["root"] / name / "checkpoints"
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000004", "step_00000006"]
+    TORN[damage](folder / "step_00000006")
+    with pytest.warns(UserWarning, match=r"resuming from step_00000004.*skipped torn step_00000006"):
+        resumed = run(workspace, name, resume=True, **common)
+    assert_same_run(workspace["root"] / f"{name}_straight", straight, workspace["root"] / name, resumed)
+    # The torn checkpoint was saved again, whole, and only intact checkpoints are kept.
+    from train.train_heads import torn_reason
+
+    assert sorted(p.name for p in folder.iterdir()) == ["step_00000006", "step_00000008"]
+    assert all(torn_reason(p) is None for p in folder.iterdir())
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"lr": 1e-2}, "lr: 0.003 -> 0.01"),
+    ({"batch_size": 4}, "batch_size: 8 -> 4"),
+    ({"drafter": "medusa"}, "drafter: 'eagle' -> 'medusa'"),
+    ({"max_steps": 9, "seed": 1}, "max_steps: 6 -> 9, seed: 0 -> 1"),
+])
+def test_resume_with_changed_settings_is_refused_by_name(workspace, change, message):
+    out = workspace["root"] / "changed"
+    if not (out / "checkpoints").is_dir():
+        run(workspace, "changed", drafter="eagle", max_steps=6, save_every=2, halt_after_steps=2)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        run(workspace, "changed", **{"drafter": "eagle", "max_steps": 6, "save_every": 2, "resume": True, **change})
+
+
+def test_resume_may_change_logging_evaluation_and_checkpointing(workspace):
+    result = run(workspace, "changed_ok", drafter="eagle", max_steps=3, save_every=2, halt_after_steps=2)
+    assert result["halted"]
+    result = run(workspace, "changed_ok", drafter="eagle", max_steps=3, save_every=1, log_every=1,
+                 keep_checkpoints=1, eval_every=1, resume=True)
+    assert result["step"] == 3 and len(result["history"]) == 3
+
+
+def test_a_used_output_dir_needs_resume_or_overwrite(workspace):
+    old = run(workspace, "used", drafter="eagle", max_steps=7, save_every=3, halt_after_steps=6)
+    assert old["halted"]
+    before = (workspace["root"] / "used" / "history.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"already holds a run \(checkpoints, history.jsonl\).*--overwrite"):
+        run(workspace, "used", drafter="eagle", max_steps=2, lr=1e-3)
+    assert (workspace["root"] / "used" / "history.jsonl").read_text() == before  # nothing touched
+    # overwrite=true deletes the old run, so a later resume cannot pick up its checkpoints.
+    new = run(workspace, "used", drafter="eagle", max_steps=4, lr=1e-3, overwrite=True, halt_after_steps=2)
+    assert not (workspace["root"] / "used" / "checkpoints").exists()
+    assert len((workspace["root"] / "used" / "history.jsonl").read_text().splitlines()) == 2
+    assert new["history"][0]["lr"] != old["history"][0]["lr"]
+    with pytest.raises(ValueError, match="no checkpoint"):
+        run(workspace, "used", drafter="eagle", max_steps=4, lr=1e-3, resume=True)
+
+
+def test_cli_overwrite_flag():
+    from train.train_heads import parse_args
+
+    config = parse_args(["data=d.jsonl", "--overwrite"])
+    assert config.overwrite and not config.resume
+    with pytest.raises(ValueError, match="contradict"):
+        parse_args(["data=d.jsonl", "--overwrite", "--resume"])
 
 
 def test_medusa2_lora_joint_training(workspace):

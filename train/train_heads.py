@@ -9,8 +9,13 @@ files in configs/. Every field is documented in train/config.py.
 
 The loop: validate config and data, build the drafter, prepare features (online, or an offline cache),
 then repeat {batch -> target features -> objective -> optimizer step}, evaluating on the held-out split
-and checkpointing every N steps; a checkpoint holds model, optimizer, scheduler, RNG and data position,
-so `--resume` continues exactly where a killed run stopped.
+and checkpointing every N steps; a checkpoint holds model, optimizer, scheduler, RNG, data position,
+history and counters, so `--resume` continues exactly where a killed run stopped.
+
+Runs are never lost or mixed: a new run in an output_dir that holds one is refused unless `--resume` or
+`--overwrite`; each checkpoint ends with a manifest (its files, their sizes, the run's settings), so a
+checkpoint torn by a kill during its save is skipped for the previous intact one, and resuming with
+settings that change the training is refused by name.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+import warnings
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the repository importable, not train/ itself
@@ -33,12 +40,13 @@ import torch  # noqa: E402
 
 from train.config import TrainConfig, load_config, to_dict  # noqa: E402
 from train.data import (  # noqa: E402
-    build_samples,
     collate,
     epoch_batches,
     load_rows,
+    read_conversations,
     split_samples,
     token_counts,
+    tokenize_conversations,
 )
 from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
 from train.losses import StepStats  # noqa: E402
@@ -47,6 +55,12 @@ from train.target import load_target, target_fingerprint  # noqa: E402
 
 ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 accuracy), not measured by "
                  "speculative decoding")
+RUN_FILES = ("checkpoints", "drafter", "history.jsonl", "result.json")  # what makes an output_dir used
+MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, and the run's settings
+# Settings a resumed run may change: they decide logging, evaluation and where files go, not the weights.
+RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
+                     "keep_checkpoints", "halt_after_steps", "report_to", "wandb_project", "run_name",
+                     "push_to_hub", "progress_bar", "feature_cache_dir", "max_eval_samples", "eval_steps_depth"}
 
 
 @dataclass
@@ -56,12 +70,15 @@ class Progress:
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch: int = 0  # next micro-batch index within the epoch
+    assistant_tokens_seen: int = 0  # trained (loss-mask) tokens, this process
+    history: list = field(default_factory=list)  # one record per optimizer step
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
-        self.step, self.epoch, self.batch = state["step"], state["epoch"], state["batch"]
+        for f in fields(self):
+            setattr(self, f.name, state[f.name])
 
 
 def make_accelerator(config: TrainConfig):
@@ -177,17 +194,117 @@ def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict
 
 
 def checkpoints(config: TrainConfig) -> list[Path]:
+    """The step_<n> folders in <output_dir>/checkpoints, oldest first, intact or not."""
     folder = Path(config.output_dir) / "checkpoints"
-    return sorted(folder.glob("step_*")) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    return sorted(p for p in folder.iterdir() if re.fullmatch(r"step_\d+", p.name))
+
+
+def torn_reason(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed from (a kill during its save, a lost file), or None."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"no {MANIFEST}, so its save did not finish"
+    try:
+        files = json.loads(manifest.read_text())["files"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return f"{MANIFEST} is damaged"
+    for name, size in files.items():
+        if not (path / name).is_file():
+            return f"{name} is missing"
+        if (path / name).stat().st_size != size:
+            return f"{name} is {(path / name).stat().st_size} bytes, but {size} were written"
+    return None
 
 
 def save_checkpoint(config, accelerator, step: int) -> None:
+    """accelerate's state (model, optimizer, scheduler, RNG, `Progress`), then the manifest that marks it whole."""
     path = Path(config.output_dir) / "checkpoints" / f"step_{step:08d}"
-    accelerator.save_state(str(path))
-    if accelerator.is_main_process:
-        for old in checkpoints(config)[:-config.keep_checkpoints]:
-            shutil.rmtree(old)
+    if accelerator.is_main_process and path.exists():
+        shutil.rmtree(path)  # torn by a kill during this same save in an earlier attempt
     accelerator.wait_for_everyone()
+    accelerator.save_state(str(path))
+    accelerator.wait_for_everyone()  # every process has written its RNG state
+    if accelerator.is_main_process:
+        files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
+        write_atomic(path / MANIFEST, json.dumps({"step": step, "config": to_dict(config), "files": files},
+                                                 indent=1) + "\n")
+        intact = [p for p in checkpoints(config) if torn_reason(p) is None]
+        for old in checkpoints(config):
+            if old not in intact[-config.keep_checkpoints:]:
+                shutil.rmtree(old)
+    accelerator.wait_for_everyone()
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file and rename it: a kill leaves the old file or the new one, never half."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resume_checkpoint(config: TrainConfig) -> Path:
+    """The newest intact checkpoint, made with the same settings; torn newer ones are skipped with a warning."""
+    folder = Path(config.output_dir) / "checkpoints"
+    found = checkpoints(config)
+    if not found:
+        raise ValueError(f"resume=true but no checkpoint in {folder}; start the run without resume")
+    torn = []
+    for path in reversed(found):
+        reason = torn_reason(path)
+        if reason is None:
+            break
+        torn.append(f"{path.name} ({reason})")
+    else:
+        raise ValueError(f"resume=true but no intact checkpoint in {folder}: {'; '.join(torn)}. Start again with "
+                         "overwrite=true")
+    if torn:
+        warnings.warn(f"resuming from {path.name}, the newest intact checkpoint in {folder}; skipped torn "
+                      f"{'; '.join(torn)}, which the next checkpoint save removes", stacklevel=2)
+    saved = json.loads((path / MANIFEST).read_text())["config"]
+    now = to_dict(config)
+    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
+               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
+    if changed:
+        raise ValueError(f"resume=true, but these settings differ from the run saved in {path}: "
+                         f"{', '.join(changed)}. They change the training, so resume with the run's values, or "
+                         "start a new run (another output_dir, or overwrite=true).")
+    return path
+
+
+def prepare_output_dir(config: TrainConfig, accelerator) -> Path | None:
+    """Check output_dir before anything expensive; returns the checkpoint to resume from, if resuming.
+
+    A new run never lands on another run's files (a later --resume would pick up the old checkpoints, and
+    the old history would be overwritten) unless overwrite=true, which deletes them first.
+    """
+    out = Path(config.output_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output_dir {str(out)!r} is a file, not a folder; choose another output_dir")
+    resume_from = resume_checkpoint(config) if config.resume else None
+    used = [name for name in RUN_FILES if (out / name).exists()]
+    if used and not config.resume:
+        if not config.overwrite:
+            raise ValueError(f"output_dir {str(out)!r} already holds a run ({', '.join(used)}): continue it with "
+                             "resume=true (--resume), replace it with overwrite=true (--overwrite), or choose "
+                             "another output_dir")
+        if accelerator.is_main_process:
+            print(f"[output] overwrite=true: deleting {', '.join(used)} in {out}", flush=True)
+            for name in used:
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                else:
+                    (out / name).unlink()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"output_dir {str(out)!r} cannot be created ({err}); choose another output_dir") from None
+    accelerator.wait_for_everyone()
+    return resume_from
 
 
 def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict) -> Path:
@@ -231,16 +348,19 @@ class Inputs:
     train_features: object
     eval_features: object
     feature_seconds: float
+    total_steps: int  # optimizer steps the run makes
 
 
 def prepare_inputs(config: TrainConfig, accelerator) -> Inputs:
-    # Target, data and drafter first: every check that can fail does so before features are computed.
+    # Data, then target and drafter: every check that can fail does so before the target loads (data) or
+    # before features are computed (everything else).
+    conversations, data_stats = read_conversations(load_rows(config.data, config.data_split), config.max_samples)
     target, tokenizer = load_target(config.target, config.target_dtype)
     target.to(accelerator.device)
-    rows = load_rows(config.data, config.data_split)
-    samples, data_stats = build_samples(rows, tokenizer, config.max_length, config.max_samples)
+    samples, data_stats = tokenize_conversations(conversations, data_stats, tokenizer, config.max_length)
     train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
     data_stats.train, data_stats.eval = len(train_set), len(eval_set)
+    total_steps = total_optimizer_steps(config, accelerator, [len(s.input_ids) for s in train_set])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     drafter = make_drafter(config, target, tokenizer, train_set)
     lora_target = add_lora(config, target) if config.lora_r > 0 else None
@@ -251,7 +371,7 @@ def prepare_inputs(config: TrainConfig, accelerator) -> Inputs:
     eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
         if eval_set else None
     return Inputs(target, tokenizer, train_set, eval_set, data_stats, pad_id, drafter, lora_target,
-                  train_features, eval_features, time.perf_counter() - tic)
+                  train_features, eval_features, time.perf_counter() - tic, total_steps)
 
 
 def total_optimizer_steps(config: TrainConfig, accelerator, lengths: list[int]) -> int:
@@ -264,15 +384,20 @@ def total_optimizer_steps(config: TrainConfig, accelerator, lengths: list[int]) 
     return config.max_steps or per_epoch * config.epochs
 
 
-def resume_if_asked(config: TrainConfig, accelerator, progress: Progress) -> None:
-    if not config.resume:
+def resume(accelerator, checkpoint: Path | None, progress: Progress) -> None:
+    if checkpoint is None:
         return
-    found = checkpoints(config)
-    if not found:
-        raise ValueError(f"resume=true but no checkpoint in {Path(config.output_dir) / 'checkpoints'}")
-    accelerator.load_state(str(found[-1]))  # model, optimizer, scheduler, RNG states and `progress`
+    accelerator.load_state(str(checkpoint))  # model, optimizer, scheduler, RNG states and `progress`
     if accelerator.is_main_process:
-        print(f"[resume] from {found[-1]} at step {progress.step}", flush=True)
+        print(f"[resume] from {checkpoint} at step {progress.step}", flush=True)
+
+
+def open_history(config: TrainConfig, progress: Progress):
+    """history.jsonl holds the records up to `progress` (a resumed run drops the steps after its
+    checkpoint); the loop appends one line per step."""
+    path = Path(config.output_dir) / "history.jsonl"
+    write_atomic(path, "".join(json.dumps(r) + "\n" for r in progress.history))
+    return open(path, "a")
 
 
 def micro_step(config, accelerator, objective, optimizer, params, batch, feats):
@@ -296,8 +421,6 @@ def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) 
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "history"},
                                                     indent=2) + "\n")
-        with open(out / "history.jsonl", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in result["history"])
 
 
 def train(config: TrainConfig) -> dict:
@@ -308,33 +431,34 @@ def train(config: TrainConfig) -> dict:
     t_start = time.perf_counter()
     accelerator = make_accelerator(config)
     main = accelerator.is_main_process
+    checkpoint = prepare_output_dir(config, accelerator)
     set_seed(config.seed)
 
-    # 1. target, data, drafter and features (online, or an offline cache built once).
+    # 1. data, target, drafter and features (online, or an offline cache built once).
     inputs = prepare_inputs(config, accelerator)
-    train_set, pad_id = inputs.train_set, inputs.pad_id
+    train_set, pad_id, total_steps = inputs.train_set, inputs.pad_id, inputs.total_steps
 
     # 2. objective, optimizer, schedule; resume if asked.
     objective = build_objective(inputs.drafter, config, inputs.lora_target).train()
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
     lengths = [len(s.input_ids) for s in train_set]
-    total_steps = total_optimizer_steps(config, accelerator, lengths)
     scheduler = make_scheduler(config, optimizer, total_steps)
     if accelerator.distributed_type.name == "DEEPSPEED":
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
-    resume_if_asked(config, accelerator, progress)
+    resume(accelerator, checkpoint, progress)
     if config.report_to == "wandb":
         accelerator.init_trackers(config.wandb_project, config=to_dict(config), init_kwargs={"wandb": {
             "name": config.run_name or f"{config.drafter}-{Path(config.target).name}", "dir": config.output_dir}})
 
     # 3. the loop: micro-batches in the epoch's fixed order, from where a resumed run left off.
-    history, result = [], {"halted": False}
+    result = {"halted": False}
+    history_file = open_history(config, progress) if main else None
     bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
-    t_train, seen_tokens = time.perf_counter(), 0
+    t_train = time.perf_counter()
     while progress.step < total_steps and not result["halted"]:
         batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
                                 accelerator.process_index, accelerator.num_processes)
@@ -345,7 +469,7 @@ def train(config: TrainConfig) -> dict:
             loss, logs = micro_step(config, accelerator, objective, optimizer, params, batch,
                                     feature_batch(inputs.train_features, batch))
             progress.batch += 1
-            seen_tokens += int(batch["loss_mask"].sum())
+            progress.assistant_tokens_seen += int(batch["loss_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             scheduler.step()
@@ -353,7 +477,10 @@ def train(config: TrainConfig) -> dict:
             bar.update(1)
             record = {"step": progress.step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                       **{k: float(v) for k, v in logs.items()}}
-            history.append(record)
+            progress.history.append(record)
+            if history_file is not None:
+                history_file.write(json.dumps(record) + "\n")
+                history_file.flush()
             if config.log_every and progress.step % config.log_every == 0:
                 accelerator.log(record, step=progress.step)
                 if main:
@@ -372,8 +499,11 @@ def train(config: TrainConfig) -> dict:
         if progress.batch >= usable:
             progress.epoch, progress.batch = progress.epoch + 1, 0
     bar.close()
-    result.update(step=progress.step, history=history, feature_seconds=round(inputs.feature_seconds, 1),
-                  train_seconds=round(time.perf_counter() - t_train, 1), assistant_tokens_seen=seen_tokens)
+    if history_file is not None:
+        history_file.close()
+    result.update(step=progress.step, history=progress.history, feature_seconds=round(inputs.feature_seconds, 1),
+                  train_seconds=round(time.perf_counter() - t_train, 1),
+                  assistant_tokens_seen=progress.assistant_tokens_seen)
     if result["halted"]:
         accelerator.end_training()
         return result
@@ -394,22 +524,24 @@ def train(config: TrainConfig) -> dict:
 def parse_args(argv=None) -> TrainConfig:
     parser = argparse.ArgumentParser(description="Train a drafter for a frozen target (see train/config.py).")
     parser.add_argument("--config", help="YAML file of overrides to the defaults in train/config.py")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint")
+    parser.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start a new run in a used output_dir, deleting the old run's checkpoints and drafter")
     parser.add_argument("--push_to_hub", metavar="REPO_ID", help="push the trained drafter to this repo")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, type-checked")
     args = parser.parse_args(argv)
     overrides = list(args.overrides)
     if args.resume:
         overrides.append("resume=true")
+    if args.overwrite:
+        overrides.append("overwrite=true")
     if args.push_to_hub:
         overrides.append(f"push_to_hub={args.push_to_hub}")
     return load_config(args.config, overrides)
 
 
 def main(argv=None) -> None:
-    config = parse_args(argv)
-    os.makedirs(config.output_dir, exist_ok=True)
-    train(config)
+    train(parse_args(argv))
 
 
 if __name__ == "__main__":
