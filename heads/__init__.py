@@ -10,6 +10,11 @@ Each kind lives in its own folder (`config.py`, `model.py`) and is registered he
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from huggingface_hub.errors import HFValidationError
+from huggingface_hub.utils import validate_repo_id
 from transformers import PretrainedConfig, PreTrainedModel
 
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
@@ -60,13 +65,38 @@ def build(kind: str, target: PretrainedConfig | PreTrainedModel, *, tokenizer=No
     return model.eval()
 
 
+def check_source(path_or_hub_id, subfolder: str = "") -> None:
+    """Raise a clear error for a path that is neither a saved drafter folder nor a possible hub id."""
+    path = Path(path_or_hub_id, subfolder)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            inside = sorted(p.parent.name for p in path.glob("*/config.json"))
+            hint = f" Its subfolders {inside} hold one; pass one of them." if inside else ""
+            raise ValueError(f"{path} is a folder without config.json, so not a saved drafter (config.json + "
+                             f"model.safetensors, written by drafter.save_pretrained).{hint}")
+        return
+    if path.exists():
+        raise ValueError(f"{path} is a file; a drafter is a folder (config.json + model.safetensors) or a hub id")
+    try:
+        validate_repo_id(str(path_or_hub_id))
+    except HFValidationError:
+        raise FileNotFoundError(f"no drafter at {path_or_hub_id}: not a folder and not a hub id (owner/name); "
+                                "check the path") from None
+
+
 # PretrainedConfig bookkeeping fields not worth listing in error messages.
 _BASE_ONLY = set(PretrainedConfig.__dataclass_fields__)
 
 
 def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
     """Load a saved drafter of any kind from a folder or hub id (safetensors only)."""
-    config_dict, _ = PretrainedConfig.get_config_dict(path_or_hub_id, **hf_kwargs)
+    check_source(path_or_hub_id, hf_kwargs.get("subfolder", ""))
+    try:
+        config_dict, _ = PretrainedConfig.get_config_dict(path_or_hub_id, **hf_kwargs)
+    except OSError as err:
+        if os.path.exists(path_or_hub_id):
+            raise
+        raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, and as a hub id: {err}") from err
     model_type = config_dict.get("model_type")
     for _, model_cls in REGISTRY.values():
         if model_cls.config_class.model_type == model_type:
