@@ -34,6 +34,22 @@ def find_drafter(run: Path) -> Path:
                             "nor in drafter/; train one first (make demo, or train/train_heads.py)")
 
 
+def check_args(args, drafter_dir: Path) -> None:
+    """Refuse, before any work, a repo id the Hub would refuse and a staging folder that overlaps the drafter."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(args.repo_id)
+    except HFValidationError as err:
+        raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repo id (owner/name): {err}") from None
+    if args.stage_dir is not None:
+        stage, source = args.stage_dir.resolve(), drafter_dir.resolve()
+        if stage == source or source in stage.parents or stage in source.parents:
+            raise ValueError(f"--stage-dir {args.stage_dir} overlaps the drafter folder {drafter_dir}: staging "
+                             "re-saves the drafter there and would rewrite its files; pick a separate folder")
+
+
 def measured_metrics(bench_file: Path, method: str | None) -> dict | None:
     """The 'overall' row of a bench results.json for the drafter's method (or the only drafter method)."""
     result = json.loads(bench_file.read_text())
@@ -89,6 +105,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     drafter_dir = find_drafter(args.run)
+    check_args(args, drafter_dir)
     bench_file = args.bench
     if bench_file is None and (args.run / "bench" / "results.json").is_file():
         bench_file = args.run / "bench" / "results.json"

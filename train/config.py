@@ -218,6 +218,14 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"config key 'lora_alpha' must be > 0 with lora_r > 0, got {config.lora_alpha}")
     if not config.output_dir:
         raise ValueError("config key 'output_dir' is empty: give the folder for checkpoints and the drafter")
+    if config.push_to_hub:
+        from huggingface_hub.errors import HFValidationError
+        from huggingface_hub.utils import validate_repo_id
+
+        try:
+            validate_repo_id(config.push_to_hub)
+        except HFValidationError as err:
+            raise ValueError(f"config key 'push_to_hub' must be a Hub repo id (owner/name): {err}") from None
     if config.resume and config.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
                          "output_dir, overwrite deletes it; set only one")
