@@ -1,0 +1,296 @@
+"""Bad inputs to training, training data, drafter loading and the Hub push script (issue 11).
+
+One table: each row is an input, the error type it must raise and a fragment of the message, which names
+the problem and the fix. Training rows use a target that does not exist, so a row passes only if its
+check runs before the target would load (anything expensive fails with another message).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import tiny_model
+from train_fixtures import char_tokenizer, conversations, save_tiny_target, write_messages
+
+import heads
+from train.config import load_config
+from train.data import build_samples, load_rows
+from train.train_heads import parse_args, train
+
+ROOT = Path(__file__).resolve().parent.parent
+MISSING_TARGET = "/nonexistent/selfspec-target"
+
+
+def _push_script():
+    spec = importlib.util.spec_from_file_location("push_to_hub", ROOT / "scripts" / "push_to_hub.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """A tiny target, a dataset, a run halted after its checkpoint at step 2, and a saved drafter."""
+    root = tmp_path_factory.mktemp("bad_inputs")
+    target = save_tiny_target(root / "target")
+    data = write_messages(root / "data.jsonl", conversations(24))
+    run_config = {"target": target, "data": data, "output_dir": str(root / "run"), "drafter": "eagle",
+                  "batch_size": 8, "lr": 3e-3, "max_steps": 4, "save_every": 2, "halt_after_steps": 2,
+                  "eval_fraction": 0.2, "progress_bar": False, "log_every": 0}
+    assert train(load_config(None, run_config))["halted"]
+    drafter = root / "run" / "drafter_saved"
+    heads.build("medusa", tiny_model("llama")).save_pretrained(drafter)
+    return {"root": root, "target": target, "data": data, "run": run_config, "drafter": drafter}
+
+
+class Ctx:
+    """What a row's call may use: a fresh folder, the shared artefacts and monkeypatch."""
+
+    def __init__(self, tmp: Path, shared: dict, monkeypatch):
+        self.tmp, self.shared, self.monkeypatch = tmp, shared, monkeypatch
+
+    def config(self, **values):
+        return load_config(None, {"data": "d.jsonl", **values})
+
+    def train(self, **values):
+        """train() on the shared data with a target that does not exist."""
+        base = {"target": MISSING_TARGET, "data": self.shared["data"], "output_dir": str(self.tmp / "out"),
+                "progress_bar": False}
+        return train(load_config(None, {**base, **values}))
+
+    def resume(self, **changes):
+        """Resume the shared halted run with `changes` to its settings."""
+        return train(load_config(None, {**self.shared["run"], "halt_after_steps": 0, "resume": True, **changes}))
+
+    def write(self, name: str, text: str) -> str:
+        path = self.tmp / name
+        path.write_text(text)
+        return str(path)
+
+    def jsonl(self, *rows, name: str = "d.jsonl") -> str:
+        return self.write(name, "".join(json.dumps(r) + "\n" for r in rows))
+
+    def samples(self, path: str):
+        return build_samples(load_rows(path), char_tokenizer(), 512)
+
+    def used(self, marker: str) -> str:
+        """An output_dir holding one file or folder of an earlier run."""
+        out = self.tmp / "used"
+        out.mkdir()
+        if "." in marker:
+            (out / marker).write_text("{}\n")
+        else:
+            (out / marker).mkdir()
+        return str(out)
+
+    def torn_copy(self) -> str:
+        """A copy of the shared run whose every checkpoint lost its manifest (killed during its save)."""
+        out = self.tmp / "torn"
+        shutil.copytree(self.shared["run"]["output_dir"], out)
+        for manifest in out.glob("checkpoints/*/checkpoint.json"):
+            manifest.unlink()
+        return str(out)
+
+    def drafter_copy(self) -> Path:
+        out = self.tmp / "drafter"
+        shutil.copytree(self.shared["drafter"], out)
+        return out
+
+    def push(self, *argv) -> int:
+        return _push_script().main([str(a) for a in argv])
+
+    def offline(self) -> None:
+        import huggingface_hub.constants
+
+        self.monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        self.monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+def _run_folder_without_drafter_config(c: Ctx) -> Path:
+    (c.tmp / "run" / "drafter").mkdir(parents=True)
+    (c.tmp / "run" / "drafter" / "config.json").write_text("{}")
+    return c.tmp / "run"
+
+
+def _hub_id_shaped_missing_path(c: Ctx):
+    c.offline()
+    return heads.load("runs-that-do-not-exist/drafter")
+
+
+USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
+
+# id: (call, error type, message fragment)
+CASES = {
+    # ---- settings: refused by load_config, before anything runs -----------------------------------------
+    "lr zero": (lambda c: c.config(lr=0), ValueError, "'lr' must be > 0, got 0.0"),
+    "lr negative": (lambda c: c.config(lr=-1e-3), ValueError, "'lr' must be > 0"),
+    "lr nan": (lambda c: c.config(lr=".nan"), ValueError, "'lr' must be > 0, got nan"),
+    "warmup negative": (lambda c: c.config(warmup_steps=-5), ValueError, "'warmup_steps' must be >= 0"),
+    "feature noise negative": (lambda c: c.config(feature_noise=-1), ValueError, "'feature_noise' must be >= 0"),
+    "max_steps negative": (lambda c: c.config(max_steps=-5), ValueError,
+                           "'max_steps' must be >= 0 (0 = derived from epochs), got -5"),
+    "keep_checkpoints zero": (lambda c: c.config(keep_checkpoints=0), ValueError,
+                              "'keep_checkpoints' must be >= 1, got 0"),
+    "save_every negative": (lambda c: c.config(save_every=-1), ValueError, "'save_every' must be >= 0"),
+    "eval_every negative": (lambda c: c.config(eval_every=-2), ValueError, "'eval_every' must be >= 0"),
+    "log_every negative": (lambda c: c.config(log_every=-1), ValueError, "'log_every' must be >= 0"),
+    "weight_decay negative": (lambda c: c.config(weight_decay=-0.1), ValueError, "'weight_decay' must be >= 0"),
+    "max_grad_norm negative": (lambda c: c.config(max_grad_norm=-1), ValueError, "'max_grad_norm' must be >= 0"),
+    "max_samples negative": (lambda c: c.config(max_samples=-1), ValueError, "'max_samples' must be >= 0"),
+    "halt_after_steps negative": (lambda c: c.config(halt_after_steps=-1), ValueError,
+                                  "'halt_after_steps' must be >= 0"),
+    "head_decay zero": (lambda c: c.config(head_decay=0), ValueError, "'head_decay' must be > 0"),
+    "ttt_decay negative": (lambda c: c.config(ttt_decay=-0.5), ValueError, "'ttt_decay' must be > 0"),
+    "token loss weight negative": (lambda c: c.config(token_loss_weight=-1), ValueError,
+                                   "'token_loss_weight' must be >= 0"),
+    "lora_dropout one": (lambda c: c.config(lora_dropout=1.0), ValueError, "'lora_dropout' must be in [0, 1)"),
+    "lora_alpha zero": (lambda c: c.config(drafter="medusa", lora_r=4, lora_alpha=0), ValueError,
+                        "'lora_alpha' must be > 0 with lora_r > 0"),
+    "lora on eagle": (lambda c: c.config(lora_r=4), ValueError, "only supported with drafter: medusa"),
+    "epochs zero": (lambda c: c.config(epochs=0), ValueError, "'epochs' must be >= 1"),
+    "batch_size zero": (lambda c: c.config(batch_size=0), ValueError, "'batch_size' must be >= 1"),
+    "eval_fraction one": (lambda c: c.config(eval_fraction=1.0), ValueError, "'eval_fraction' must be in [0, 1)"),
+    "unknown drafter kind": (lambda c: c.config(drafter="hydra"), ValueError, "'drafter' must be one of"),
+    "unknown loss": (lambda c: c.config(loss="mse"), ValueError, "'loss' must be one of"),
+    "empty data": (lambda c: c.config(data=""), ValueError, "'data' is empty"),
+    "empty output_dir": (lambda c: c.config(output_dir=""), ValueError, "'output_dir' is empty"),
+    "resume and overwrite": (lambda c: c.config(resume=True, overwrite=True), ValueError, "contradict"),
+    "cli resume and overwrite": (lambda c: parse_args(["data=d.jsonl", "--resume", "--overwrite"]), ValueError,
+                                 "contradict"),
+    "push_to_hub not a repo id": (lambda c: c.config(push_to_hub="not a valid id!!"), ValueError,
+                                  "'push_to_hub' must be a Hub repo id"),
+    "lr not a number": (lambda c: c.config(lr="fast"), TypeError, "'lr' in overrides expects float"),
+    "max_steps not an int": (lambda c: c.config(max_steps=1.5), TypeError, "'max_steps' in overrides expects int"),
+    "misspelt key": (lambda c: load_config(None, ["data=d.jsonl", "batchsize=3"]), ValueError,
+                     "unknown config key 'batchsize' in overrides; did you mean 'batch_size'"),
+    "missing config file": (lambda c: load_config(c.tmp / "nope.yaml"), ValueError, "does not exist"),
+
+    # ---- data files: named by file and line, rows by position and id ------------------------------------
+    "malformed jsonl line": (
+        lambda c: load_rows(c.write("d.jsonl", '{"messages": []}\n{"messages": []}\n{"messages": [}\n')),
+        ValueError, "d.jsonl: line 3 is not valid JSON"),
+    "jsonl line not an object": (lambda c: load_rows(c.write("d.jsonl", '{"messages": []}\n[1, 2]\n')),
+                                 ValueError, "line 2 is a JSON list, not an object"),
+    "malformed json array": (lambda c: load_rows(c.write("d.json", '[\n {"a": 1},\n {"a": 2},\n {"a" 3}\n]\n')),
+                             ValueError, "d.json: line 4 is not valid JSON"),
+    "json array of non-objects": (lambda c: load_rows(c.write("d.json", '[{"a": 1}, 2]')), ValueError,
+                                  "element 1 of the top-level array is int"),
+    "missing data file": (lambda c: load_rows(str(c.tmp / "none.jsonl")), ValueError, "does not exist"),
+    "empty data file": (lambda c: load_rows(c.write("d.jsonl", "\n")), ValueError, "is empty"),
+    "folder as data": (lambda c: load_rows(str(c.tmp)), ValueError, "local data must be a .json, .jsonl or .parquet"),
+    "unknown columns": (lambda c: c.samples(c.jsonl({"prompt": "a", "completion": "b"})), ValueError,
+                        "cannot tell the data format"),
+    "role human": (lambda c: c.samples(c.jsonl({"id": "a", "messages": [USER, ASSISTANT]},
+                                               {"id": "b", "messages": [{"role": "human", "content": "hi"},
+                                                                        ASSISTANT]})),
+                   ValueError, "row 1 (id 'b'): message 0 has role 'human'; roles must be one of "
+                               "['system', 'user', 'assistant'] ('human' is a ShareGPT speaker name: rename it "
+                               "to 'user'"),
+    "role bot": (lambda c: c.samples(c.jsonl({"messages": [USER, {"role": "bot", "content": "yo"}]})),
+                 ValueError, "row 0: message 1 has role 'bot'; roles must be one of"),
+    "null assistant content": (lambda c: c.samples(c.jsonl({"id": "x", "messages": [
+        USER, {"role": "assistant", "content": None}]})), ValueError,
+        "row 0 (id 'x'): message 1 (assistant) has content None, not text; fill in the reply"),
+    "null user content": (lambda c: c.samples(c.jsonl({"messages": [{"role": "user", "content": None},
+                                                                    ASSISTANT]})),
+                          ValueError, "row 0: message 0 (user) has content None"),
+    "messages not a list": (lambda c: c.samples(c.jsonl({"messages": "hi"})), ValueError,
+                            "row 0: 'messages' must be a list of objects"),
+    "sharegpt unknown speaker": (
+        lambda c: c.samples(c.jsonl({"conversations": [{"from": "human", "value": "hi"},
+                                                       {"from": "robot", "value": "yo"}]})),
+        ValueError, "row 0: ShareGPT turn 1 has unknown 'from' value 'robot'; known values"),
+    "alpaca null output": (lambda c: c.samples(c.jsonl({"instruction": "say", "input": "", "output": None})),
+                           ValueError, "row 0: Alpaca field 'output' is None, not text"),
+    "assistant first": (lambda c: c.samples(c.jsonl({"messages": [ASSISTANT, USER, ASSISTANT]})), ValueError,
+                        "row 0: the conversation starts with an assistant turn"),
+    "no assistant anywhere": (lambda c: c.samples(c.jsonl({"messages": [USER]}, {"messages": [USER]})),
+                              ValueError, "none of the 2 conversations has an assistant turn"),
+    "train on bad data checks it before the target": (
+        lambda c: c.train(data=c.jsonl({"messages": [USER, {"role": "bot", "content": "yo"}]})),
+        ValueError, "message 1 has role 'bot'"),
+    "train on a malformed file": (lambda c: c.train(data=c.write("d.jsonl", '{"messages": [USER]}\n')),
+                                  ValueError, "line 1 is not valid JSON"),
+
+    # ---- output_dir, resume and overwrite: checked before the target loads ------------------------------
+    "output_dir is a file": (lambda c: c.train(output_dir=c.write("out.txt", "x")), ValueError,
+                             "is a file, not a folder; choose another output_dir"),
+    "output_dir under a file": (lambda c: c.train(output_dir=c.write("f", "x") + "/run"), ValueError,
+                                "cannot be created"),
+    "used output_dir: checkpoints": (lambda c: c.train(output_dir=c.used("checkpoints")), ValueError,
+                                     "already holds a run (checkpoints): continue it with resume=true (--resume), "
+                                     "replace it with overwrite=true (--overwrite)"),
+    "used output_dir: drafter": (lambda c: c.train(output_dir=c.used("drafter")), ValueError,
+                                 "already holds a run (drafter)"),
+    "used output_dir: history": (lambda c: c.train(output_dir=c.used("history.jsonl")), ValueError,
+                                 "already holds a run (history.jsonl)"),
+    "resume without checkpoint": (lambda c: c.train(resume=True), ValueError, "resume=true but no checkpoint"),
+    "resume with every checkpoint torn": (lambda c: c.train(output_dir=c.torn_copy(), resume=True), ValueError,
+                                          "no intact checkpoint"),
+    "resume with another seed": (lambda c: c.resume(seed=1), ValueError,
+                                 "settings differ from the run saved in"),
+    "resume names the changed lr": (lambda c: c.resume(lr=1e-2), ValueError, "lr: 0.003 -> 0.01"),
+    "resume with another batch size": (lambda c: c.resume(batch_size=4), ValueError, "batch_size: 8 -> 4"),
+    "resume with another drafter kind": (lambda c: c.resume(drafter="medusa"), ValueError,
+                                         "drafter: 'eagle' -> 'medusa'"),
+    "resume with another target": (lambda c: c.resume(target=MISSING_TARGET), ValueError,
+                                   f"-> {MISSING_TARGET!r}"),
+
+    # ---- loading a drafter -------------------------------------------------------------------------------
+    "load a missing folder": (lambda c: heads.load(c.tmp / "nope" / "drafter"), FileNotFoundError,
+                              "no drafter at"),
+    "load a missing relative path": (lambda c: heads.load("no/such/run/drafter"), FileNotFoundError,
+                                     "not a folder and not a hub id"),
+    "load a folder without config.json": (lambda c: heads.load(c.tmp), ValueError,
+                                          "is a folder without config.json, so not a saved drafter"),
+    "load a run folder": (lambda c: heads.load(_run_folder_without_drafter_config(c)), ValueError,
+                          "Its subfolders ['drafter'] hold one"),
+    "load a file": (lambda c: heads.load(c.write("x.safetensors", "x")), ValueError, "is a file; a drafter is a folder"),
+    "load a target folder": (lambda c: heads.load(c.shared["target"]), ValueError,
+                             "holds model_type 'llama', not a selfspec drafter"),
+    "load a hub-id-shaped missing path offline": (_hub_id_shaped_missing_path, OSError,
+                                                  "no drafter at runs-that-do-not-exist/drafter: not a local folder"),
+
+    # ---- scripts/push_to_hub.py: refused before staging or any network ----------------------------------
+    "push: stage-dir is the drafter folder": (
+        lambda c: c.push(c.drafter_copy(), "--repo-id", "me/x", "--dry-run", "--stage-dir", c.tmp / "drafter"),
+        ValueError, "overlaps the drafter folder"),
+    "push: stage-dir inside the drafter folder": (
+        lambda c: c.push(c.drafter_copy(), "--repo-id", "me/x", "--dry-run", "--stage-dir", c.tmp / "drafter" / "s"),
+        ValueError, "would rewrite its files; pick a separate folder"),
+    "push: stage-dir holds the drafter folder": (
+        lambda c: c.push(c.drafter_copy(), "--repo-id", "me/x", "--dry-run", "--stage-dir", c.tmp),
+        ValueError, "overlaps the drafter folder"),
+    "push: invalid repo id": (
+        lambda c: c.push(c.drafter_copy(), "--repo-id", "not a valid id!!", "--dry-run"),
+        ValueError, "--repo-id 'not a valid id!!' is not a Hub repo id"),
+    "push: repo id with two slashes": (lambda c: c.push(c.drafter_copy(), "--repo-id", "a/b/c", "--dry-run"),
+                                       ValueError, "is not a Hub repo id (owner/name)"),
+    "push: no drafter in the run folder": (lambda c: c.push(c.tmp, "--repo-id", "me/x", "--dry-run"),
+                                           FileNotFoundError, "holds no saved drafter"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_bad_input_gives_a_clear_error(case, tmp_path, shared, monkeypatch):
+    call, error, fragment = CASES[case]
+    with pytest.raises(error) as info:
+        call(Ctx(tmp_path, shared, monkeypatch))
+    assert fragment in str(info.value), f"{case}: {info.value}"
+
+
+def test_refused_stage_dir_leaves_the_drafter_untouched(tmp_path, shared, monkeypatch):
+    c = Ctx(tmp_path, shared, monkeypatch)
+    source = c.drafter_copy()
+    before = {p.name: p.read_bytes() for p in source.iterdir()}
+    with pytest.raises(ValueError, match="overlaps"):
+        c.push(source, "--repo-id", "me/x", "--dry-run", "--stage-dir", source)
+    assert {p.name: p.read_bytes() for p in source.iterdir()} == before
+
+
+def test_the_table_is_big_enough():
+    assert len(CASES) >= 60
