@@ -118,11 +118,12 @@ def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
     if "max_minutes" in TrainConfig.__dataclass_fields__:  # the trainer keeps the budget itself
         return Path(train(load({"max_minutes": float(minutes)}))["drafter_dir"])
 
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)  # a resume must only ever find this run's probe
     probe_steps = max(load({}).warmup_steps, 5)
     tic = time.perf_counter()
     guess = max(probe_steps + 1, int(minutes * 60 / 3))  # only sizes the progress bar; the probe stops early
-    probe = train(load({"max_steps": guess, "save_every": probe_steps, "halt_after_steps": probe_steps}))
+    # overwrite: a resume must only ever find this run's probe, never an earlier run's checkpoints.
+    probe = train(load({"max_steps": guess, "save_every": probe_steps, "halt_after_steps": probe_steps,
+                        "overwrite": True}))
     per_step = probe["train_seconds"] / max(probe["step"], 1)
     left = minutes * 60 - (time.perf_counter() - tic)
     total = probe["step"] + max(1, int(left / per_step))

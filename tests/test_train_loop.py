@@ -181,7 +181,7 @@ def test_torn_newest_checkpoint_falls_back_to_the_previous_one(workspace, damage
     ({"lr": 1e-2}, "lr: 0.003 -> 0.01"),
     ({"batch_size": 4}, "batch_size: 8 -> 4"),
     ({"drafter": "medusa"}, "drafter: 'eagle' -> 'medusa'"),
-    ({"max_steps": 9, "seed": 1}, "max_steps: 6 -> 9, seed: 0 -> 1"),
+    ({"seed": 1, "loss": "soft"}, "loss: 'hard' -> 'soft', seed: 0 -> 1"),
 ])
 def test_resume_with_changed_settings_is_refused_by_name(workspace, change, message):
     out = workspace["root"] / "changed"
@@ -197,6 +197,13 @@ def test_resume_may_change_logging_evaluation_and_checkpointing(workspace):
     result = run(workspace, "changed_ok", drafter="eagle", max_steps=3, save_every=1, log_every=1,
                  keep_checkpoints=1, eval_every=1, resume=True)
     assert result["step"] == 3 and len(result["history"]) == 3
+
+
+def test_resume_may_extend_the_run_with_a_warning(workspace):
+    short = run(workspace, "extended", drafter="eagle", max_steps=4, save_every=2, halt_after_steps=2)
+    with pytest.warns(UserWarning, match="max_steps: 4 -> 6: the run's length changed"):
+        longer = run(workspace, "extended", drafter="eagle", max_steps=6, save_every=2, resume=True)
+    assert longer["step"] == 6 and longer["history"][:2] == short["history"]
 
 
 def test_a_used_output_dir_needs_resume_or_overwrite(workspace):

@@ -61,6 +61,9 @@ MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and size
 RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
                      "keep_checkpoints", "halt_after_steps", "report_to", "wandb_project", "run_name",
                      "push_to_hub", "progress_bar", "feature_cache_dir", "max_eval_samples", "eval_steps_depth"}
+# Settings a resumed run may change with a warning: extending (or shortening) a run is a common wish, and only
+# the learning-rate schedule after the checkpoint differs (it follows the new total).
+WARNED_CHANGES = {"max_steps", "epochs"}
 
 
 @dataclass
@@ -266,13 +269,16 @@ def resume_checkpoint(config: TrainConfig) -> Path:
         warnings.warn(f"resuming from {path.name}, the newest intact checkpoint in {folder}; skipped torn "
                       f"{'; '.join(torn)}, which the next checkpoint save removes", stacklevel=2)
     saved = json.loads((path / MANIFEST).read_text())["config"]
-    now = to_dict(config)
-    changed = [f"{k}: {saved[k]!r} -> {v!r}" for k, v in now.items()
-               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v]
-    if changed:
+    changed = {k: f"{k}: {saved[k]!r} -> {v!r}" for k, v in to_dict(config).items()
+               if k not in RESUMABLE_CHANGES and k in saved and saved[k] != v}
+    refused = [text for k, text in changed.items() if k not in WARNED_CHANGES]
+    if refused:
         raise ValueError(f"resume=true, but these settings differ from the run saved in {path}: "
-                         f"{', '.join(changed)}. They change the training, so resume with the run's values, or "
+                         f"{', '.join(refused)}. They change the training, so resume with the run's values, or "
                          "start a new run (another output_dir, or overwrite=true).")
+    if changed:
+        warnings.warn(f"resuming {path} with {', '.join(changed.values())}: the run's length changed, so the "
+                      "learning-rate schedule after the checkpoint follows the new total", stacklevel=2)
     return path
 
 
