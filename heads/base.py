@@ -299,10 +299,10 @@ class HeadDrafter(Drafter):
     def check_target(self, target) -> None:
         self.model.check_target(target)
 
-    def bind(self, target, sampling, batch_size: int) -> None:
+    def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         """Attach the model to `target` (if not already) and put it in eval mode (call `.train()` again to
         resume training). The drafter keeps its own dtype; it must sit on the target's device."""
-        super().bind(target, sampling, batch_size)
+        super().bind(target, sampling, batch_size, generator)
         if not self.model.attached_to(target):
             self.model.attach(target)
         device = target.get_input_embeddings().weight.device

@@ -8,20 +8,21 @@ Packing each weight once into oneDNN's blocked layout (what torch.compile's CPU 
 8-token forward to about 1.1x on one thread, and below a plain one-token forward on two, where the packed
 GEMM uses both cores and the stock GEMV does not (docs/benchmarks.md).
 
-`prepacked_linears(model)` switches a model's `nn.Linear` layers to the packed weights for inputs of 2+
-rows while it is active, and back afterwards; one-row calls keep the GEMV. The packed copies stay cached
-on the modules (repacked if a weight changes), so the cost is a second copy of the linear weights in RAM.
+`prepacked_linears(model, cache=...)` switches a model's `nn.Linear` layers to the packed weights for
+inputs of 2+ rows while it is active, and back afterwards; one-row calls keep the GEMV. The packed copies
+live in a `PackCache` the caller owns (SelfSpecModel keeps one), keyed weakly by the weight tensor and
+repacked if a weight changes: nothing is left on the user's modules, which stay deep-copyable and savable.
+The cost is a second copy of the linear weights in RAM while the cache lives.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 
 import torch
 from torch import nn
-
-_PACKED = "_selfspec_packed"  # module attribute: (weight version, packed weight)
 
 
 def available() -> bool:
@@ -41,34 +42,52 @@ def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
     return linear_bytes <= max_ram_fraction * ram
 
 
-def _packed_weight(layer: nn.Linear) -> torch.Tensor:
-    version = layer.weight._version
-    cached = layer.__dict__.get(_PACKED)
-    if cached is None or cached[0] != version:
-        with torch.no_grad():
-            cached = (version, torch.ops.mkldnn._reorder_linear_weight(layer.weight.detach(), None))
-        layer.__dict__[_PACKED] = cached
-    return cached[1]
+class PackCache:
+    """Packed copies of weight tensors, keyed by the tensor's identity and dropped when it is freed."""
+
+    def __init__(self):
+        self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id -> (ref, version, packed)
+
+    def __len__(self) -> int:
+        return len(self._packed)
+
+    def get(self, weight: torch.Tensor) -> torch.Tensor:
+        key = id(weight)
+        cached = self._packed.get(key)
+        if cached is None or cached[0]() is not weight or cached[1] != weight._version:
+            with torch.no_grad():
+                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            ref = weakref.ref(weight, lambda _, key=key, cache=self._packed: cache.pop(key, None))
+            cached = self._packed[key] = (ref, weight._version, packed)
+        return cached[2]
 
 
-def _forward(layer: nn.Linear, plain_forward):
+def _forward(layer: nn.Linear, plain_forward, cache: PackCache):
     def forward(x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; one row (decode) or autograd -> the plain path
         if (x.numel() == x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32
                 or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
             return plain_forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, _packed_weight(layer), layer.bias, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, cache.get(layer.weight), layer.bias, "none", [], "")
     return forward
 
 
+def _plain(weight: torch.Tensor) -> bool:
+    """A dense tensor (not a quantized tensor subclass, whose kernels are its own)."""
+    return type(weight) in (nn.Parameter, torch.Tensor) and type(weight.data) is torch.Tensor
+
+
 @contextlib.contextmanager
-def prepacked_linears(*models: nn.Module | None, enabled: bool = True):
-    """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights."""
+def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None, enabled: bool = True):
+    """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights
+    from `cache` (a fresh one, dropped at exit, if None)."""
+    cache = PackCache() if cache is None else cache
     found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
-             if type(m) is nn.Linear and "forward" not in m.__dict__}  # a shared lm_head counts once
+             if type(m) is nn.Linear and "forward" not in m.__dict__  # a shared lm_head counts once
+             and _plain(m.weight)}
     layers = list(found.values())
     for layer in layers:
-        layer.forward = _forward(layer, layer.forward)
+        layer.forward = _forward(layer, layer.forward, cache)
     try:
         yield
     finally:

@@ -51,9 +51,11 @@ class Drafter:
     def check_target(self, target) -> None:
         """Raise ValueError if this drafter cannot serve `target`."""
 
-    def bind(self, target, sampling: SamplingParams, batch_size: int) -> None:
-        """Start a generation: remember the target and the sampling settings, reset per-row state."""
-        self.target, self.sampling, self.batch_size = target, sampling, batch_size
+    def bind(self, target, sampling: SamplingParams, batch_size: int,
+             generator: torch.Generator | None = None) -> None:
+        """Start a generation: remember the target, the sampling settings and the caller's random generator
+        (drafts sampled from it, so a seeded generate is reproducible); reset per-row state."""
+        self.target, self.sampling, self.batch_size, self.generator = target, sampling, batch_size, generator
 
     def observe(self, step: TargetStep) -> None:
         raise NotImplementedError

@@ -23,7 +23,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu_linear
-from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter
+from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
 from .sampling import SamplingParams, next_token
@@ -34,25 +34,23 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 
 
 def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> Drafter:
-    """Turn what the user passed into a `Drafter`: heads model, "ngram", a draft LM, or a Drafter.
+    """Turn what the user passed into a `Drafter`: a name from `infer.drafters.DRAFTERS` ("ngram", "gguf",
+    "int8", "early_exit:8", ...), a heads model, a draft LM, or a Drafter.
 
     With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with. With
     `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead."""
     if isinstance(drafter, Drafter):
         out = drafter
     elif isinstance(drafter, str):
-        if drafter != "ngram":
-            raise ValueError(f"unknown drafter {drafter!r}: pass 'ngram', a heads model (heads.load(...)), "
-                             "or a causal LM that shares the target's tokenizer")
-        out = NgramDrafter()
+        out = build_drafter(drafter, target, tokenizer)
     elif hasattr(drafter, "as_drafter"):  # a trained drafter from `heads`
         drafter.attach(target, tokenizer)
         out = drafter.as_drafter()
     elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
         out = DraftModelDrafter(drafter)
     else:
-        raise TypeError(f"cannot draft with a {type(drafter).__name__}: pass 'ngram', a heads model, a "
-                        "causal LM sharing the target's tokenizer, or an infer.Drafter")
+        raise TypeError(f"cannot draft with a {type(drafter).__name__}: pass a drafter name ({known()}), a "
+                        "heads model, a causal LM sharing the target's tokenizer, or an infer.Drafter")
     if lookup_first and not isinstance(out, (NgramDrafter, LookupFirstDrafter)):
         out = LookupFirstDrafter(out)
     out.check_target(target)
@@ -122,6 +120,7 @@ class SelfSpecModel:
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():
             raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
+        self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self.last_stats: dict = {}
 
     @classmethod
@@ -167,7 +166,7 @@ class SelfSpecModel:
         generation config, as in transformers.
         """
         with cpu_linear.prepacked_linears(self.target, getattr(self.drafter, "model", None),
-                                          enabled=self.cpu_prepack):
+                                          cache=self._packed, enabled=self.cpu_prepack):
             return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                   top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
 
@@ -189,7 +188,7 @@ class SelfSpecModel:
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
         done = self._emit(rows, step.next_tokens[:, None], torch.ones_like(step.next_tokens), settings, streamer)
-        self.drafter.bind(self.target, settings.sampling, input_ids.shape[0])
+        self.drafter.bind(self.target, settings.sampling, input_ids.shape[0], generator)
         self.drafter.observe(step)
         self._drop_finished(kv, rows, done)
 

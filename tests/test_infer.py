@@ -36,6 +36,11 @@ DRAFTERS = {
     "draft_model": lambda target: perturbed_copy(target),
     "unrelated_draft_model": lambda target: tiny_model(target.config.model_type, seed=11),
     "lookup_first": lambda target: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target)), min_match=1),
+    "adaptive_draft_model": lambda target: DraftModelDrafter(perturbed_copy(target), num_tokens=6, adaptive=True),
+    # the target's own weights (infer/drafters/self_draft.py), reached by name
+    "bf16": lambda target: "bf16",
+    "int8": lambda target: "int8",
+    "early_exit": lambda target: "early_exit:2",
 }
 
 
@@ -90,8 +95,8 @@ class ScriptedTree(Drafter):
     def __init__(self, reference: list[int], parents: list[int], on_path: list[bool]):
         self.reference, self.parents, self.on_path = reference, parents, on_path
 
-    def bind(self, target, sampling, batch_size):
-        super().bind(target, sampling, batch_size)
+    def bind(self, target, sampling, batch_size, generator=None):
+        super().bind(target, sampling, batch_size, generator)
         self.emitted = 0
 
     def observe(self, step: TargetStep) -> None:

@@ -113,10 +113,13 @@ def drafters(target):
         # rows switch between a one-hot lookup chain and sampled drafts with their q, step by step
         "lookup_first": LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target, scale=0.3, seed=5)),
                                            min_match=2),
+        # the target's own weights: a quantized copy and its first layer, drafting real distributions
+        "int8": "int8",
+        "early_exit": "early_exit:1",
     }
 
 
-@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first"])
+@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first", "int8", "early_exit"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)])
 def test_sampling_matches_target_distribution(target, kind, temperature, top_k, top_p):
     model = SelfSpecModel(target, drafters(target)[kind])

@@ -54,8 +54,8 @@ class EagleDrafter(HeadDrafter):
         self.max_depth = self.static.depth if self.static else tree["depth"]
         self.kv = self.root = self.last_hidden = self.last_logits = None
 
-    def bind(self, target, sampling, batch_size: int) -> None:
-        super().bind(target, sampling, batch_size)
+    def bind(self, target, sampling, batch_size: int, generator=None) -> None:
+        super().bind(target, sampling, batch_size, generator)
         self.kv = KVState(batch_size, target.get_input_embeddings().weight.device, config=None)
         self.root = self.last_hidden = self.last_logits = None
 

@@ -1,0 +1,63 @@
+"""Drafters a user reaches by name, one per file, and the one table of their names.
+
+`SelfSpecModel(target, "<name>")`, `scripts/bench.py --drafter <name>` and the error for an unknown name
+all read `DRAFTERS`; a drafter that takes an argument is written `<name>:<argument>`. Trained drafters
+(Medusa, EAGLE, EAGLE-3) are not here: they live in `heads/` and are passed as models.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..drafting import Drafter
+from . import gguf, self_draft
+from .draft_model import DraftModelDrafter
+from .lookup_first import LookupFirstDrafter
+from .ngram import NgramDrafter
+
+
+@dataclass(frozen=True)
+class Entry:
+    build: Callable  # (argument or None, target, tokenizer) -> Drafter
+    usage: str  # how the name is written, with its argument
+    when: str  # one line: when to use it
+
+
+DRAFTERS: dict[str, Entry] = {}
+
+
+def register(name: str, build: Callable, usage: str, when: str) -> None:
+    if name in DRAFTERS:
+        raise ValueError(f"a drafter named {name!r} is registered already")
+    DRAFTERS[name] = Entry(build, usage, when)
+
+
+register("ngram", lambda arg, target, tokenizer: NgramDrafter(),
+         "ngram", "no model at all: prompt lookup, for answers that copy from the prompt")
+register("gguf", gguf.from_spec, "gguf[:<file.gguf>]",
+         "a GGUF quantization of the target run by llama.cpp (default: the embedded target's own file)")
+register("int8", self_draft.int8, "int8",
+         "a copy of the target with int8 weight-only linears, drafting in torch")
+register("bf16", self_draft.bf16, "bf16", "a bfloat16 copy of the target, drafting in torch")
+register("early_exit", self_draft.early_exit, "early_exit:<layers>",
+         "the target's own first <layers> layers, final norm and LM head; no extra weights")
+
+
+def known() -> str:
+    return ", ".join(entry.usage for entry in DRAFTERS.values())
+
+
+def build_drafter(spec: str, target, tokenizer=None) -> Drafter:
+    """The drafter a name stands for, e.g. "ngram", "gguf", "early_exit:8", "staged:int8+ngram"."""
+    name, sep, arg = spec.partition(":")
+    entry = DRAFTERS.get(name.strip())
+    if entry is None:
+        raise ValueError(f"unknown drafter {spec!r}; the named drafters are: {known()}; or pass a trained "
+                         "drafter (heads.load(...)), a causal LM sharing the target's tokenizer, or an "
+                         "infer.Drafter")
+    return entry.build(arg.strip() if sep else None, target, tokenizer)
+
+
+__all__ = ["DRAFTERS", "DraftModelDrafter", "LookupFirstDrafter", "NgramDrafter", "build_drafter", "known",
+           "register"]

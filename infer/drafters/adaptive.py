@@ -1,0 +1,108 @@
+"""How far to draft: stop a chain where one more draft token no longer pays for itself.
+
+A chain drafter proposes tokens one at a time. Drafting token i costs `c_draft` seconds; it adds one
+token to the step only if the target accepts it and every token before it. With `P_i` that cumulative
+probability, the step yields E = sum_i P_i + 1 tokens for T = verify + i * c_draft seconds, and one more
+token raises E / T exactly when P_{i+1} > c_draft * E / T, i.e. when its chance of being kept beats the
+draft cost measured in tokens of the current pace. That is the stopping rule here; it is the continuous
+form of transformers' `assistant_confidence_threshold` and of EAGLE-2's expansion by cumulative
+confidence (Li et al. 2024b).
+
+The drafter's own probability is not the target's acceptance rate, so it is calibrated online: drafted
+tokens are binned by the drafter's confidence, and each bin counts how often the target accepted such a
+token whose parent it had accepted (a Beta prior at the raw confidence keeps early estimates sane). The
+draft and step costs are running averages of wall time. Nothing here affects which tokens are emitted,
+only how many are proposed, so exactness never depends on it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+BINS = 20
+
+
+class AdaptiveLength:
+    """Per-generation state: calibration bins, cost averages and the chains drafted this step."""
+
+    def __init__(self, max_tokens: int, min_tokens: int = 1, decay: float = 0.98, prior: float = 4.0):
+        if not 1 <= min_tokens <= max_tokens:
+            raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        self.max_tokens, self.min_tokens, self.decay, self.prior = max_tokens, min_tokens, decay, prior
+        self.kept = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of accepted drafts per bin
+        self.seen = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of judged drafts per bin
+        self.draft_cost = None  # seconds per drafted token (running average)
+        self.step_cost = None  # seconds per verify step, drafting excluded (running average)
+        self.tokens_per_step = None  # tokens emitted per step (running average)
+        self.mean_drafted = float(max_tokens)  # drafts per step (running average)
+        self._confidence: list[list[float]] = []  # per row, the confidences drafted this step
+        self._proposed_at = None
+
+    def new_generation(self) -> None:
+        """Forget a step left half-done (calibration and costs carry over between generations)."""
+        self._confidence, self._proposed_at = [], None
+
+    # ------------------------------------------------------------------ during drafting
+    def start(self, rows: int) -> None:
+        """A new step of `rows` chains begins."""
+        self._confidence = [[] for _ in range(rows)]
+        self._cum = [1.0] * rows
+        self._draft_started = time.perf_counter()
+
+    def keep_going(self, row: int, confidence: float) -> bool:
+        """Record row's newest draft (the drafter's probability for it); True if drafting one more pays."""
+        self._confidence[row].append(confidence)
+        self._cum[row] *= self.accept_rate(confidence)
+        depth = len(self._confidence[row])
+        if depth < self.min_tokens:
+            return True
+        if depth >= self.max_tokens:
+            return False
+        return self._cum[row] > self.threshold()
+
+    def threshold(self) -> float:
+        """Cumulative acceptance below which another draft token lowers tokens per second."""
+        if self.draft_cost is None or self.step_cost is None or self.tokens_per_step is None:
+            return 0.0  # nothing measured yet: draft to max_tokens once
+        pace = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
+        return self.draft_cost * pace
+
+    def accept_rate(self, confidence: float) -> float:
+        """Calibrated P(target keeps a draft | its parent was kept) for a drafter confidence."""
+        b = min(int(confidence * BINS), BINS - 1)
+        return float((self.kept[b] + self.prior * confidence) / (self.seen[b] + self.prior))
+
+    def drafted(self) -> None:
+        """Drafting for this step is over (the engine verifies next)."""
+        now = time.perf_counter()
+        n = max(len(c) for c in self._confidence) if self._confidence else 0
+        if n:
+            self.draft_cost = _average(self.draft_cost, (now - self._draft_started) / n)
+        self.mean_drafted = _average(self.mean_drafted, float(n))
+        self._proposed_at = now
+
+    # ------------------------------------------------------------------ after verification
+    def judged(self, accepted: torch.Tensor) -> None:
+        """The target kept `accepted[b]` of row b's drafts: update calibration and costs."""
+        if self._proposed_at is None:
+            return
+        self.step_cost = _average(self.step_cost, time.perf_counter() - self._proposed_at)
+        self._proposed_at = None
+        self.kept *= self.decay
+        self.seen *= self.decay
+        for row, n_kept in enumerate(accepted.tolist()):
+            confs = self._confidence[row] if row < len(self._confidence) else []
+            for i, c in enumerate(confs[:n_kept + 1]):  # drafts past the first rejection were not judged
+                b = min(int(c * BINS), BINS - 1)
+                self.seen[b] += 1
+                self.kept[b] += float(i < n_kept)
+        self.tokens_per_step = _average(self.tokens_per_step, float(accepted.double().mean()) + 1)
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        self._confidence = [self._confidence[int(r)] for r in rows] if self._confidence else []
+
+
+def _average(old: float | None, new: float, weight: float = 0.2) -> float:
+    return new if old is None else (1 - weight) * old + weight * new

@@ -1,0 +1,127 @@
+"""A separate, smaller causal LM with the target's tokenizer drafts a chain autoregressively."""
+
+from __future__ import annotations
+
+import torch
+
+from ..drafting import Drafter, TargetStep
+from ..kv import KVState, forward_block, prompt_tree
+from ..sampling import logits_to_probs, sample
+from ..tree import DraftTree
+from .adaptive import AdaptiveLength
+from .chain import chain_tree
+
+
+class DraftModelDrafter(Drafter):
+    """A smaller causal LM with the target's tokenizer drafts up to `num_tokens` tokens autoregressively
+    (Leviathan et al. 2023; Chen et al. 2023). When sampling, drafts are drawn from the draft model's
+    processed distribution q, which verification uses for rejection sampling. With `adaptive=True` a row
+    stops drafting where one more token no longer pays (`AdaptiveLength`); otherwise every row drafts
+    `num_tokens`."""
+
+    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False):
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
+        self.model, self.num_tokens = model.eval(), num_tokens
+        self.length = AdaptiveLength(num_tokens) if adaptive else None
+
+    def check_target(self, target) -> None:
+        mine, theirs = self.model.config.get_text_config(), target.config.get_text_config()
+        if mine.vocab_size != theirs.vocab_size:
+            raise ValueError(f"draft model vocab_size {mine.vocab_size} != target vocab_size "
+                             f"{theirs.vocab_size}: a draft model must share the target's tokenizer")
+        if self.model.device != target.device:
+            raise ValueError(f"draft model is on {self.model.device} but the target is on {target.device}; "
+                             "move both to one device")
+
+    def bind(self, target, sampling, batch_size, generator=None):
+        super().bind(target, sampling, batch_size, generator)
+        self.kv = KVState(batch_size, target.device, self.model.config)
+        self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
+        self.start = self.fed = self.pend_width = 0
+        if self.length is not None:
+            self.length.new_generation()
+
+    def observe(self, step: TargetStep) -> None:
+        if self.kv.size == 0:  # prefill: the whole prompt
+            depth, ancestors, valid = prompt_tree(step.valid)
+            forward_block(self.model, self.kv, depth, ancestors, valid, input_ids=step.tokens, logits_to_keep=1)
+            self.kv.mark_valid(valid)
+            self.pending = [step.tokens.new_empty(0)] * step.tokens.shape[0]
+        else:
+            # Slots since the last propose: [pending (left-padded), root, d1, ..., d_{fed-1}]. Keep the
+            # pending ones and the chain nodes the target accepted; queue accepted tokens never fed.
+            accepted = step.valid.sum(1)
+            chain_keep = torch.arange(self.fed, device=accepted.device)[None, :] < accepted[:, None]
+            keep = torch.cat([self.pend_valid, chain_keep], dim=1)
+            order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
+            self.kv.commit(self.start, order, keep.gather(1, order))
+            self.pending = [step.tokens[b, self.fed:int(accepted[b])] for b in range(len(accepted))]
+            if self.length is not None:
+                self.length.judged(accepted - 1)
+        self.roots = step.next_tokens
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        k = max(0, min(self.num_tokens, int(budget.max())))
+        b = self.roots.shape[0]
+        if k == 0:  # nothing to draft; the root reaches the draft cache with the next block
+            self.start, self.fed, self.pend_width = self.kv.size, 0, 0
+            self.pend_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.roots.device)
+            self.pending = [torch.cat([p, self.roots[r:r + 1]]) for r, p in enumerate(self.pending)]
+            return chain_tree(self.roots, self.roots.new_zeros(b, 0), torch.zeros_like(budget))
+        # The unseen committed tokens and the root, as one left-padded block.
+        width = max(len(p) for p in self.pending) + 1
+        block = self.roots.new_zeros(b, width)
+        valid = torch.zeros(b, width, dtype=torch.bool, device=block.device)
+        for row, pend in enumerate(self.pending):
+            seq = torch.cat([pend, self.roots[row:row + 1]])
+            block[row, width - len(seq):] = seq
+            valid[row, width - len(seq):] = True
+        self.start, self.fed, self.pend_width = self.kv.size, 0, width - 1
+        self.pend_valid = valid[:, :-1]
+        depth, ancestors, node_valid = prompt_tree(valid)
+        inputs, drafts, qs = block, [], []
+        one = torch.ones(b, 1, dtype=torch.bool, device=block.device)
+        lengths = torch.zeros(b, dtype=torch.long)
+        going = (budget > 0).cpu()
+        if self.length is not None:
+            self.length.start(b)
+        for i in range(k):
+            logits = forward_block(self.model, self.kv, depth, ancestors, node_valid, input_ids=inputs,
+                                   logits_to_keep=1).logits[:, -1]
+            self.kv.mark_valid(node_valid)
+            self.fed += 1
+            if self.sampling.do_sample:
+                q = logits_to_probs(logits, self.sampling)
+                token = sample(q, self.generator)
+                qs.append(q)
+            else:
+                q, token = None, logits.argmax(-1)
+            drafts.append(token)
+            lengths[going] = i + 1
+            if self.length is not None:
+                going &= self._keep_going(logits if q is None else q, token, going)
+            going &= budget.cpu() > i + 1
+            if not going.any():
+                break
+            # The next query is one new node right after everything fed so far.
+            inputs, depth, ancestors, node_valid = token[:, None], torch.zeros_like(inputs[:, :1]), one[..., None], one
+        if self.length is not None:
+            self.length.drafted()
+        q = torch.stack(qs, 1) if qs else None
+        return chain_tree(self.roots, torch.stack(drafts, 1), lengths.to(self.roots.device), q)
+
+    def _keep_going(self, scores: torch.Tensor, token: torch.Tensor, drafting: torch.Tensor) -> torch.Tensor:
+        """[B] bool: rows still drafting for which `AdaptiveLength` says one more draft pays. `scores` are
+        the sampled-from probabilities when sampling, else logits."""
+        probs = scores if self.sampling.do_sample else torch.softmax(scores.float(), dim=-1)
+        confidence = probs.gather(1, token[:, None])[:, 0].tolist()
+        return torch.tensor([bool(on) and self.length.keep_going(r, c)
+                             for r, (on, c) in enumerate(zip(drafting.tolist(), confidence, strict=True))])
+
+    def select_rows(self, rows: torch.Tensor) -> None:
+        if self.length is not None:
+            self.length.select_rows(rows)
+        self.kv.select_rows(rows)
+        self.pending = [self.pending[int(r)] for r in rows]
+        self.roots = self.roots[rows]

@@ -1,0 +1,112 @@
+"""Drafting with the target's own weights in torch: a low-precision copy, or its first layers.
+
+- `bf16`: a bfloat16 copy of the whole target. Decoding reads every weight once per token, so half the
+  bytes is up to half the time where the matrix-vector products dominate.
+- `int8`: a copy whose linear weights are int8 per output channel (weight-only: activations stay in the
+  target's precision, which keeps agreement high; quantizing activations too drops it, see
+  docs/benchmarks.md). The kernels are torchao's.
+- `early_exit:<k>`: the target's first k decoder layers, its final norm and LM head (LayerSkip, Elhoushi
+  et al. 2024; transformers' `assistant_early_exit`). No weights are copied: the shallow model is built
+  on the meta device and takes the target's own tensors.
+
+Each drafts a chain with its own KV cache through `DraftModelDrafter`, with adaptive length. The
+target is never modified: copies are new modules, and the shallow model shares tensors, not modules.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from .draft_model import DraftModelDrafter
+
+MAX_TOKENS = 8
+
+
+def _copy_of(target) -> nn.Module:
+    draft = copy.deepcopy(target)
+    draft.eval().requires_grad_(False)
+    return draft
+
+
+def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
+    if arg:
+        raise ValueError(f"'bf16' takes no argument, got {arg!r}")
+    return DraftModelDrafter(_copy_of(target).to(torch.bfloat16), num_tokens=MAX_TOKENS, adaptive=True)
+
+
+def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
+    if arg:
+        raise ValueError(f"'int8' takes no argument, got {arg!r}")
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as err:
+        raise ImportError("the 'int8' drafter quantizes with torchao, which is not installed; install it "
+                          "with: pip install torchao") from err
+    draft = _copy_of(target)
+    quantize_(draft, Int8WeightOnlyConfig())
+    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
+
+
+def early_exit(arg, target, tokenizer=None) -> DraftModelDrafter:
+    layers = _layer_count(target)
+    try:
+        k = int(arg)
+    except (TypeError, ValueError):
+        raise ValueError(f"write early_exit:<layers>, e.g. early_exit:{max(1, layers // 2)} for the first half "
+                         f"of the target's {layers} layers; got {arg!r}") from None
+    if not 1 <= k < layers:
+        raise ValueError(f"early_exit:{k} must keep between 1 and {layers - 1} of the target's {layers} layers")
+    return DraftModelDrafter(shallow_model(target, list(range(k))), num_tokens=MAX_TOKENS, adaptive=True)
+
+
+def _layer_count(target) -> int:
+    return len(_decoder_layers(target)[1])
+
+
+def _decoder_layers(model) -> tuple[str, nn.ModuleList]:
+    """(qualified name, module list) of the model's decoder layers."""
+    want = model.config.get_text_config().num_hidden_layers
+    found = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m) == want]
+    if len(found) != 1:
+        raise ValueError(f"cannot tell which module list of {type(model).__name__} holds its {want} decoder "
+                         f"layers (found {len(found)} candidates); layer skipping needs one")
+    return found[0]
+
+
+def shallow_model(target, keep: list[int]) -> nn.Module:
+    """A model of the target's class running only decoder layers `keep` (in order), sharing its tensors."""
+    config = copy.deepcopy(target.config)
+    text = config.get_text_config()
+    text.num_hidden_layers = len(keep)
+    if getattr(text, "layer_types", None):
+        text.layer_types = [text.layer_types[i] for i in keep]
+    prefix, _ = _decoder_layers(target)
+    rename = {f"{prefix}.{old}.": f"{prefix}.{new}." for new, old in enumerate(keep)}
+
+    def theirs(name: str) -> str | None:
+        if not name.startswith(prefix + "."):
+            return name
+        head = name[:len(prefix) + 1 + name[len(prefix) + 1:].index(".") + 1]
+        back = {v: k for k, v in rename.items()}
+        return back[head] + name[len(head):] if head in back else None
+
+    with torch.device("meta"):
+        shallow = type(target)._from_config(config, attn_implementation=target.config._attn_implementation)
+    tensors = dict(target.named_parameters(remove_duplicate=False))
+    tensors.update(dict(target.named_buffers(remove_duplicate=False)))
+    for name, _ in list(shallow.named_parameters(remove_duplicate=False)) + list(
+            shallow.named_buffers(remove_duplicate=False)):
+        source = theirs(name)
+        if source not in tensors:
+            raise ValueError(f"cannot map {name} of the shallow model to a tensor of the target")
+        owner, _, leaf = name.rpartition(".")
+        module = shallow.get_submodule(owner) if owner else shallow
+        if leaf in module._parameters:
+            module._parameters[leaf] = tensors[source]
+        else:
+            module._buffers[leaf] = tensors[source]
+    shallow.generation_config = copy.deepcopy(target.generation_config)
+    return shallow.eval()  # no requires_grad_ here: the parameters are the target's own
