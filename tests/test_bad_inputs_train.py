@@ -17,7 +17,7 @@ from conftest import tiny_model
 from train_fixtures import char_tokenizer, conversations, save_tiny_target, write_messages
 
 import heads
-from train.config import load_config
+from train.config import TrainConfig, load_config
 from train.data import build_samples, load_rows
 from train.train_heads import parse_args, train
 
@@ -167,6 +167,8 @@ CASES = {
     "max_steps not an int": (lambda c: c.config(max_steps=1.5), TypeError, "'max_steps' in overrides expects int"),
     "misspelt key": (lambda c: load_config(None, ["data=d.jsonl", "batchsize=3"]), ValueError,
                      "unknown config key 'batchsize' in overrides; did you mean 'batch_size'"),
+    "TrainConfig built in Python": (lambda c: train(TrainConfig(data=c.shared["data"], lr=0.0)), ValueError,
+                                    "'lr' must be > 0"),
     "missing config file": (lambda c: load_config(c.tmp / "nope.yaml"), ValueError, "does not exist"),
 
     # ---- data files: named by file and line, rows by position and id ------------------------------------
@@ -204,6 +206,10 @@ CASES = {
         lambda c: c.samples(c.jsonl({"conversations": [{"from": "human", "value": "hi"},
                                                        {"from": "robot", "value": "yo"}]})),
         ValueError, "row 0: ShareGPT turn 1 has unknown 'from' value 'robot'; known values"),
+    "sharegpt null reply": (
+        lambda c: c.samples(c.jsonl({"id": 7, "conversations": [{"from": "human", "value": "hi"},
+                                                                {"from": "gpt", "value": None}]})),
+        ValueError, "row 0 (id 7): message 1 (assistant) has content None"),
     "alpaca null output": (lambda c: c.samples(c.jsonl({"instruction": "say", "input": "", "output": None})),
                            ValueError, "row 0: Alpaca field 'output' is None, not text"),
     "assistant first": (lambda c: c.samples(c.jsonl({"messages": [ASSISTANT, USER, ASSISTANT]})), ValueError,

@@ -38,7 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
-from train.config import TrainConfig, load_config, to_dict  # noqa: E402
+from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
 from train.data import (  # noqa: E402
     collate,
     epoch_batches,
@@ -435,6 +435,7 @@ def train(config: TrainConfig) -> dict:
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
+    validate(config)  # again: a TrainConfig built in Python has not been through load_config
     accelerator = make_accelerator(config)
     main = accelerator.is_main_process
     checkpoint = prepare_output_dir(config, accelerator)
