@@ -3,7 +3,9 @@
 Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file) in one of three formats,
 detected from the columns: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of
 `role`/`content`) or Alpaca (`instruction`/`input`/`output`). Each conversation is rendered with the
-target tokenizer's own chat template.
+target tokenizer's own chat template. Nothing is dropped or guessed silently: a malformed JSON line, a
+role other than system/user/assistant (ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message
+without text are errors that name the line or the row.
 
 Which tokens are the assistant's is found without knowing the template: for every assistant turn i the
 template renders the conversation up to turn i with the generation prompt (everything before the
