@@ -10,8 +10,10 @@ confidence (Li et al. 2024b).
 
 The drafter's own probability is not the target's acceptance rate, so it is calibrated online: drafted
 tokens are binned by the drafter's confidence, and each bin counts how often the target accepted such a
-token whose parent it had accepted (a Beta prior at the raw confidence keeps early estimates sane). The
-draft and step costs are running averages of wall time. Nothing here affects which tokens are emitted,
+token whose parent it had accepted, shrunk towards the acceptance rate over all bins while a bin has
+few counts. The draft cost is a running average of wall time per drafted token; a verify step's cost is
+fitted online as a + b * drafts, so the marginal cost of a draft token is c_draft + b (on a CPU a
+wider verify is not free). Nothing here affects which tokens are emitted,
 only how many are proposed, so exactness never depends on it.
 """
 
@@ -27,7 +29,7 @@ BINS = 20
 class AdaptiveLength:
     """Per-generation state: calibration bins, cost averages and the chains drafted this step."""
 
-    def __init__(self, max_tokens: int, min_tokens: int = 1, decay: float = 0.98, prior: float = 4.0):
+    def __init__(self, max_tokens: int, min_tokens: int = 1, decay: float = 0.995, prior: float = 2.0):
         if not 1 <= min_tokens <= max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
         self.max_tokens, self.min_tokens, self.decay, self.prior = max_tokens, min_tokens, decay, prior
@@ -35,6 +37,7 @@ class AdaptiveLength:
         self.seen = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of judged drafts per bin
         self.draft_cost = None  # seconds per drafted token (running average)
         self.step_cost = None  # seconds per verify step, drafting excluded (running average)
+        self.fit = torch.zeros(5, dtype=torch.float64)  # decayed sums 1, n, t, n*n, n*t of (drafts, verify s)
         self.tokens_per_step = None  # tokens emitted per step (running average)
         self.mean_drafted = float(max_tokens)  # drafts per step (running average)
         self._confidence: list[list[float]] = []  # per row, the confidences drafted this step
@@ -67,12 +70,23 @@ class AdaptiveLength:
         if self.draft_cost is None or self.step_cost is None or self.tokens_per_step is None:
             return 0.0  # nothing measured yet: draft to max_tokens once
         pace = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
-        return self.draft_cost * pace
+        return (self.draft_cost + self.verify_slope()) * pace
+
+    def verify_slope(self) -> float:
+        """Seconds a verify step gains per extra draft token (0 until the drafts per step have varied)."""
+        w, n, t, nn, nt = self.fit.tolist()
+        if w < 2:
+            return 0.0
+        var = nn / w - (n / w) ** 2
+        if var < 0.5:
+            return 0.0
+        return max(0.0, (nt / w - (n / w) * (t / w)) / var)
 
     def accept_rate(self, confidence: float) -> float:
         """Calibrated P(target keeps a draft | its parent was kept) for a drafter confidence."""
         b = min(int(confidence * BINS), BINS - 1)
-        return float((self.kept[b] + self.prior * confidence) / (self.seen[b] + self.prior))
+        overall = float((self.kept.sum() + self.prior * confidence) / (self.seen.sum() + self.prior))
+        return float((self.kept[b] + self.prior * overall) / (self.seen[b] + self.prior))
 
     def drafted(self) -> None:
         """Drafting for this step is over (the engine verifies next)."""
@@ -81,6 +95,7 @@ class AdaptiveLength:
         if n:
             self.draft_cost = _average(self.draft_cost, (now - self._draft_started) / n)
         self.mean_drafted = _average(self.mean_drafted, float(n))
+        self._drafted_now = n
         self._proposed_at = now
 
     # ------------------------------------------------------------------ after verification
@@ -88,8 +103,11 @@ class AdaptiveLength:
         """The target kept `accepted[b]` of row b's drafts: update calibration and costs."""
         if self._proposed_at is None:
             return
-        self.step_cost = _average(self.step_cost, time.perf_counter() - self._proposed_at)
+        seconds = time.perf_counter() - self._proposed_at
+        self.step_cost = _average(self.step_cost, seconds)
         self._proposed_at = None
+        n = float(self._drafted_now)
+        self.fit = self.fit * 0.98 + torch.tensor([1.0, n, seconds, n * n, n * seconds], dtype=torch.float64)
         self.kept *= self.decay
         self.seen *= self.decay
         for row, n_kept in enumerate(accepted.tolist()):
