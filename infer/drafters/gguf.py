@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -94,12 +95,15 @@ class GGUFDrafter(Drafter):
         self.tokenizer = tokenizer
         self._free: list[_Sequence] = []  # contexts not bound to a row, reused by the next generate
         self.rows: list[_Sequence] = []
+        self._opened: list = []  # every llama.cpp context, closed with the drafter or at interpreter exit
+        weakref.finalize(self, _close_all, self._opened)
 
     # ---------------------------------------------------------------- set-up
     def _new_sequence(self) -> _Sequence:
         threads = self.n_threads or torch.get_num_threads()
         llm = self._llama(model_path=str(self.path), n_ctx=self._context_size, n_threads=threads,
                           n_threads_batch=threads, n_batch=512, verbose=False)
+        self._opened.append(llm)
         return _Sequence(llm)
 
     def check_target(self, target) -> None:
@@ -196,6 +200,13 @@ class GGUFDrafter(Drafter):
         self.roots = self.roots[rows]
         if self.length is not None:
             self.length.select_rows(rows)
+
+
+def _close_all(contexts: list) -> None:
+    # llama-cpp-python frees contexts in __del__, which fails once the interpreter tears down its modules
+    for llm in contexts:
+        llm.close()
+    contexts.clear()
 
 
 def _target_tokenizer(target):
