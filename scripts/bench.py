@@ -147,13 +147,16 @@ def parse_tree(text: str | None) -> dict:
 
 
 def load_drafter(spec: str, target, tree: dict | None = None):
-    """(name, drafter) for `ngram`, `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
+    """(name, drafter) for a named drafter (`infer.drafters.DRAFTERS`: ngram, gguf, ...),
+    `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
 
     `tree` overrides a trained drafter's saved drafting settings (e.g. depth, top_k, total_tokens)."""
     if spec.endswith(LOOKUP_SUFFIX):
         raise ValueError(f"strip {LOOKUP_SUFFIX!r} before load_drafter (see drafter_method)")
-    if spec == "ngram":
-        return "ngram", "ngram"
+    from infer.drafters import DRAFTERS
+
+    if spec.partition(":")[0] in DRAFTERS:  # a drafter by name: ngram, gguf, int8, bf16, early_exit:<k>, ...
+        return spec, spec
     if spec.startswith("draft-model:"):
         from infer.embedded import resolve_target
 
@@ -202,7 +205,8 @@ def _eos_ids(target, tokenizer) -> set[int]:
 
 
 def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *, max_new_tokens: int = 128,
-              repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True) -> dict:
+              repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True,
+              on_record: Callable[[dict], None] | None = None) -> dict:
     """Time every method on every question (interleaved), check greedy equality, aggregate per category.
 
     `methods[0]` is the reference every other method's output is compared with (the baseline). Later turns
@@ -236,6 +240,8 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                                                                                       outputs[BASELINE])})
                 records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
                                 "prompt_tokens": ids.shape[1], "results": results})
+                if on_record is not None:
+                    on_record(records[-1])
                 reply = tokenizer.decode(outputs[BASELINE], skip_special_tokens=True)
                 history[q["question_id"]] = messages + [{"role": "assistant", "content": reply}]
     finally:
@@ -302,6 +308,10 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
                          "tokens_per_s": tokens / seconds if seconds else 0.0,
                          "tau": tokens / forwards if forwards else 0.0,
                          "mismatches": sum(not r["results"][name]["matches_baseline"] for r in recs)}
+            if all(r["results"][name].get("draft_seconds") is not None for r in recs) and forwards:
+                # per target forward, the prefill included (as in tau)
+                row[name]["draft_ms_per_step"] = 1000 * sum(r["results"][name]["draft_seconds"] for r in recs) / forwards
+                row[name]["verify_ms_per_step"] = 1000 * sum(r["results"][name]["verify_seconds"] for r in recs) / forwards
         for name in names:
             for ref, key in ((BASELINE, "speedup_vs_greedy"), (PLD, "speedup_vs_pld")):
                 if ref in row and row[ref]["tokens_per_s"]:
@@ -313,21 +323,28 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
 # ---------------------------------------------------------------------------------------------- outputs
 def to_markdown(result: dict) -> str:
     methods, cats = result["methods"], list(result["per_category"])
-    lines = ["| category | method | tau | tokens/s | speedup vs greedy | speedup vs PLD | mismatches |",
-             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| category | method | tau | tokens/s | speedup vs greedy | speedup vs PLD | draft ms/step | "
+             "verify ms/step | mismatches |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for cat in cats:
         for name in methods:
             r = result["per_category"][cat][name]
             vs_pld = f"{r['speedup_vs_pld']:.2f}x" if "speedup_vs_pld" in r else "-"
             label = f"**{cat}**" if cat == "overall" else cat
+            draft = f"{r['draft_ms_per_step']:.0f}" if "draft_ms_per_step" in r else "-"
+            verify = f"{r['verify_ms_per_step']:.0f}" if "verify_ms_per_step" in r else "-"
             lines.append(f"| {label} | {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
-                         f"{r['speedup_vs_greedy']:.2f}x | {vs_pld} | {r['mismatches']} |")
+                         f"{r['speedup_vs_greedy']:.2f}x | {vs_pld} | {draft} | {verify} | {r['mismatches']} |")
     env = result.get("environment", {})
     s = result["settings"]
     foot = (f"\n{len(result['questions'])} generations, batch 1, greedy, max {s['max_new_tokens']} new tokens, "
             f"median of {s['repeats']} repeat(s)")
     if env:
         foot += f"; {env.get('cpu')}, {env.get('torch_threads')} torch threads, {env.get('dtype')}"
+        if env.get("memory_floor_ms"):
+            foot += (f"; memory floor of one target forward {env['memory_floor_ms']:.1f} ms "
+                     f"({env['weight_mb']:.0f} MB of weights at {env['read_gb_per_s']:.1f} GB/s measured read "
+                     "bandwidth)")
         if env.get("load_average"):
             foot += f", load average {env['load_average'][0]:.2f} at the end"
     foot += ". tau = new tokens per target forward (prefill included).\n"
@@ -418,6 +435,22 @@ def environment(target, threads: int) -> dict:
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
 
 
+def memory_floor(target) -> dict:
+    """The least time one forward can take: every weight read once at the measured read bandwidth."""
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    if target.device.type != "cpu":
+        return {"weight_mb": weight_bytes / 1e6}
+    big = torch.ones(2**27)  # 512 MB: far past the caches
+    big.sum()
+    times = []
+    for _ in range(5):
+        tic = time.perf_counter()
+        big.sum()
+        times.append(time.perf_counter() - tic)
+    gbs = big.numel() * 4 / min(times) / 1e9
+    return {"weight_mb": weight_bytes / 1e6, "read_gb_per_s": gbs, "memory_floor_ms": weight_bytes / gbs / 1e6}
+
+
 def report_mismatches(result: dict) -> None:
     if not result["mismatches"]:
         print("greedy check: every output equals transformers' greedy output")
@@ -436,7 +469,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
     parser.add_argument("--questions", required=True, help="jsonl with question_id, category, turns")
     parser.add_argument("--drafter", action="append", default=[],
-                        help="ngram | path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
+                        help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
+                             "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
                              f"{LOOKUP_SUFFIX!r} (prompt lookup first); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -474,10 +508,19 @@ def main(argv=None) -> int:
           f"torch threads: {torch.get_num_threads()}")
 
     load_before = environment(target, torch.get_num_threads())["load_average"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    partial = Path(args.out) / "records.jsonl"  # one line per question as it finishes
+    partial.write_text("")
+
+    def keep(record: dict) -> None:
+        with open(partial, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
     result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats, turns=args.turns)
+                       repeats=args.repeats, turns=args.turns, on_record=keep)
     result["environment"] = environment(target, torch.get_num_threads())
     result["environment"]["load_average_before"] = load_before
+    result["environment"].update(memory_floor(target))
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
                               args.pld_tokens, drafters=args.drafter, tree=parse_tree(args.tree) or None)
