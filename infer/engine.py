@@ -15,10 +15,14 @@ sampling over the tree, so outputs follow the target's distribution.
 
 from __future__ import annotations
 
+import contextlib
+import operator
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
@@ -57,17 +61,38 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> D
     return out
 
 
-def _ensure_maskable(target) -> None:
+def _check_maskable(target) -> None:
+    """A target whose attention cannot take a 4D tree mask runs with sdpa during generate (and gets its own
+    implementation back afterwards); refuse one that cannot switch."""
     impl = target.config._attn_implementation
     if impl in MASKABLE_ATTENTION:
         return
-    warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; switching the target to "
-                  "'sdpa'", stacklevel=3)
     try:
         target.set_attn_implementation("sdpa")
+        target.set_attn_implementation(impl)
     except (ValueError, ImportError) as err:
         raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch to "
                          "sdpa; load it with attn_implementation='eager'") from err
+    warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; the target runs with "
+                  "'sdpa' during generate and gets its own back afterwards", stacklevel=3)
+
+
+@contextlib.contextmanager
+def _generation_mode(target):
+    """Eval mode and a maskable attention for the call; the user's train/eval flags and attention after."""
+    training = {name: m.training for name, m in target.named_modules()}
+    impl = target.config._attn_implementation
+    switch = impl not in MASKABLE_ATTENTION
+    if switch:
+        target.set_attn_implementation("sdpa")
+    target.eval()
+    try:
+        yield
+    finally:
+        for name, m in target.named_modules():
+            m.training = training.get(name, m.training)
+        if switch:
+            target.set_attn_implementation(impl)
 
 
 @dataclass
@@ -77,6 +102,9 @@ class _Settings:
     eos: set[int]
     pad: int
     typical: bool
+    min_new_tokens: int = 0  # eos is impossible before this many new tokens (transformers' MinNewTokens...)
+    suppress: list[int] = field(default_factory=list)  # never generated (suppress_tokens, one-token bad words)
+    begin_suppress: list[int] = field(default_factory=list)  # not generated as the first new token
 
 
 @dataclass
@@ -113,14 +141,15 @@ class SelfSpecModel:
         take at most a quarter of RAM."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
-        _ensure_maskable(target)
-        self.target = target.eval()
+        _check_maskable(target)
+        self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
         self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first)
         self.typical_acceptance = typical_acceptance
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():
             raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
         self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
+        self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 
     @classmethod
@@ -165,10 +194,23 @@ class SelfSpecModel:
         `generation_config` apply where an argument is not given. eos/pad default to the target's
         generation config, as in transformers.
         """
-        with cpu_linear.prepacked_linears(self.target, getattr(self.drafter, "model", None),
-                                          cache=self._packed, enabled=self.cpu_prepack):
-            return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                                  top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+        if generator is not None and not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        if streamer is not None and not (callable(getattr(streamer, "put", None))
+                                         and callable(getattr(streamer, "end", None))):
+            raise TypeError("streamer must have put() and end() methods, like transformers' TextStreamer")
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("this SelfSpecModel is already generating in another thread; its drafter keeps "
+                               "per-call state, so give each thread its own SelfSpecModel (they can share the "
+                               "target)")
+        try:
+            with _generation_mode(self.target), cpu_linear.prepacked_linears(
+                    self.target, getattr(self.drafter, "model", None), cache=self._packed,
+                    enabled=self.cpu_prepack):
+                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
+                                      top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+        finally:
+            self._busy.release()
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                   eos_token_id, pad_token_id, streamer, generation_config, generator) -> torch.Tensor:
@@ -200,7 +242,8 @@ class SelfSpecModel:
             stats["draft_seconds"] += time.perf_counter() - tic
             # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV.
             tic = time.perf_counter()
-            step, acc = self._verify(kv, tree, settings, generator)
+            emitted = torch.tensor([len(rows.out[r]) for r in rows.alive.tolist()], device=tree.tokens.device)
+            step, acc = self._verify(kv, tree, settings, generator, emitted)
             stats["verify_seconds"] += time.perf_counter() - tic
             stats["target_forwards"] += 1
             stats["row_forwards"] += len(rows.alive)
@@ -230,16 +273,18 @@ class SelfSpecModel:
         out = forward_block(self.target, kv, depth, ancestors, valid, input_ids=input_ids,
                             output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
         kv.mark_valid(valid)
-        root = next_token(out.logits[:, -1], settings.sampling, generator)
+        logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
+        root = next_token(logits[:, -1], settings.sampling, generator)
         return TargetStep(tokens=input_ids, valid=valid, positions=depth, next_tokens=root,
                           hidden=self._features(out))
 
-    def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator):
+    def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor):
+        """emitted: [B] new tokens each row has emitted so far, the root included."""
         depth, ancestors = tree.depth_and_ancestors()
         start = kv.size
         out = forward_block(self.target, kv, depth, ancestors, tree.valid, input_ids=tree.tokens,
                             output_hidden_states=bool(self.drafter.feature_layers))
-        logits = out.logits
+        logits = self._constrain(out.logits, emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
         elif settings.sampling.do_sample:
@@ -262,6 +307,10 @@ class SelfSpecModel:
         max_len = _max_positions(self.target.config)
         prompt_lens = attention_mask.sum(1).tolist()
         limit = [min(max_new_tokens, max_len - n) if max_len else max_new_tokens for n in prompt_lens]
+        if min(limit) < max_new_tokens:
+            warnings.warn(f"max_new_tokens={max_new_tokens} does not fit the target's context of {max_len} "
+                          f"positions: a prompt of {max(prompt_lens)} tokens can get at most {min(limit)} new "
+                          "tokens", stacklevel=4)
         b = attention_mask.shape[0]
         return _Rows(alive=torch.arange(b, device=attention_mask.device), limit=limit, out=[[] for _ in range(b)])
 
@@ -303,13 +352,10 @@ class SelfSpecModel:
         if generation_config is not None and not isinstance(generation_config, GenerationConfig):
             raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
         gc = generation_config
+        base = self.target.generation_config
         if gc is not None:
-            unsupported = {k: v for k, v in (("num_beams", gc.num_beams), ("num_return_sequences",
-                           gc.num_return_sequences), ("repetition_penalty", gc.repetition_penalty))
-                           if v not in (None, 1, 1.0)}
-            if unsupported:
-                raise ValueError(f"generation_config sets {unsupported}; speculative decoding here supports "
-                                 "greedy and temperature/top-k/top-p sampling only")
+            _refuse_unsupported(gc, "generation_config")
+        _refuse_unsupported(base, "the target's own generation_config", warn_only=True)
 
         def pick(value, name, default):
             if value is not None:
@@ -317,21 +363,48 @@ class SelfSpecModel:
             got = getattr(gc, name, None) if gc is not None else None
             return default if got is None else got
 
-        sampling = SamplingParams(do_sample=bool(pick(do_sample, "do_sample", False)),
-                                  temperature=float(pick(temperature, "temperature", 1.0)),
-                                  top_k=int(pick(top_k, "top_k", 0)), top_p=float(pick(top_p, "top_p", 1.0)))
+        sample = pick(do_sample, "do_sample", False)
+        if not isinstance(sample, (bool, np.bool_)):
+            raise TypeError(f"do_sample must be True or False, got {sample!r}")
+        sampling = SamplingParams(do_sample=bool(sample), temperature=float(pick(temperature, "temperature", 1.0)),
+                                  top_k=_int_like(pick(top_k, "top_k", 0), "top_k"),
+                                  top_p=float(pick(top_p, "top_p", 1.0)))
         max_new = pick(max_new_tokens, "max_new_tokens", None)
         if max_new is None:
             raise ValueError("pass max_new_tokens (or a generation_config that sets it)")
-        if not isinstance(max_new, int) or max_new <= 0:
-            raise ValueError(f"max_new_tokens must be a positive int, got {max_new!r}")
-        base = self.target.generation_config
-        eos = pick(eos_token_id, "eos_token_id", base.eos_token_id)
-        eos_set = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+        max_new = _int_like(max_new, "max_new_tokens")
+        if max_new <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new}")
+        vocab = self.target.config.get_text_config().vocab_size
+        eos = _token_ids(pick(eos_token_id, "eos_token_id", base.eos_token_id), "eos_token_id", vocab)
         pad = pick(pad_token_id, "pad_token_id", base.pad_token_id)
-        if pad is None:
-            pad = min(eos_set) if eos_set else 0
-        return _Settings(sampling, max_new, eos_set, int(pad), self.typical_acceptance)
+        pad = (eos[0] if eos else 0) if pad is None else _token_ids(pad, "pad_token_id", vocab, single=True)[0]
+        gen = gc if gc is not None else base
+        min_new = _int_like(getattr(gen, "min_new_tokens", None) or 0, "min_new_tokens")
+        suppress = _token_ids(getattr(gen, "suppress_tokens", None), "suppress_tokens", vocab)
+        bad = getattr(gen, "bad_words_ids", None) or []
+        if any(len(words) != 1 for words in bad):
+            raise ValueError("bad_words_ids with sequences of more than one token are not supported by "
+                             "speculative decoding here; ban single tokens, or use target.generate")
+        suppress += [int(words[0]) for words in bad]
+        begin = _token_ids(getattr(gen, "begin_suppress_tokens", None), "begin_suppress_tokens", vocab)
+        return _Settings(sampling, max_new, set(eos), int(pad), self.typical_acceptance, min_new, suppress, begin)
+
+    def _constrain(self, logits: torch.Tensor, new_so_far: torch.Tensor, settings: _Settings) -> torch.Tensor:
+        """Apply the generation config's token bans in place, as transformers' logits processors would.
+
+        logits: [B, N, V] for nodes whose predicted token is new token number `new_so_far[b, n]` (0 = first).
+        """
+        if settings.suppress:
+            logits[..., settings.suppress] = -float("inf")
+        if settings.begin_suppress:
+            first = (new_so_far == 0)[..., None]
+            logits[..., settings.begin_suppress] = logits[..., settings.begin_suppress].masked_fill(first, -float("inf"))
+        if settings.min_new_tokens and settings.eos:
+            ids = sorted(settings.eos)
+            early = (new_so_far < settings.min_new_tokens)[..., None]
+            logits[..., ids] = logits[..., ids].masked_fill(early, -float("inf"))
+        return logits
 
     def _check_inputs(self, input_ids, attention_mask, streamer):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
@@ -385,3 +458,62 @@ def _max_positions(config) -> int | None:
         if value:
             return int(value)
     return None
+
+
+# generation_config fields whose logits processors we do not apply; each changes what target.generate returns
+_UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_repetition_penalty": 1.0,
+                "sequence_bias": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+                "exponential_decay_length_penalty": None, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+                "eta_cutoff": 0.0, "top_h": None, "guidance_scale": None, "num_beams": 1,
+                "num_return_sequences": 1, "min_length": 0, "constraints": None, "force_words_ids": None,
+                "stop_strings": None, "watermarking_config": None, "penalty_alpha": None, "dola_layers": None}
+
+
+def _refuse_unsupported(gc: GenerationConfig, where: str, warn_only: bool = False) -> None:
+    """Raise (or, for the target's own defaults, warn) for settings that would change target.generate's
+    output and that speculative verification here does not reproduce."""
+    found = {k: getattr(gc, k, None) for k, neutral in _UNSUPPORTED.items()
+             if getattr(gc, k, None) not in (None, neutral, [], {})}
+    if not found:
+        return
+    message = (f"{where} sets {found}; SelfSpecModel applies temperature, top_k, top_p, min_new_tokens, "
+               "suppress_tokens, begin_suppress_tokens and single-token bad_words_ids, not these, so its output "
+               "would differ from target.generate")
+    if warn_only:
+        warnings.warn(message + "; they are ignored", stacklevel=4)
+    else:
+        raise ValueError(message + "; unset them or use target.generate")
+
+
+def _int_like(value, name: str) -> int:
+    """An int, numpy integer or one-element integer tensor, as generate takes them; floats and bools refused."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype.is_floating_point or value.dtype == torch.bool:
+            raise TypeError(f"{name} must be an integer, got a tensor of shape {tuple(value.shape)} and dtype "
+                            f"{value.dtype}")
+        return int(value.item())
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an integer, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _token_ids(value, name: str, vocab: int, single: bool = False) -> list[int]:
+    """Token ids as generate takes them (int, numpy int, list, tensor), each checked against the vocabulary;
+    order kept (the first eos pads, as in transformers)."""
+    if value is None:
+        return []
+    if isinstance(value, torch.Tensor):
+        value = value.flatten().tolist()
+    elif isinstance(value, np.ndarray):
+        value = value.reshape(-1).tolist()
+    items = list(value) if isinstance(value, (list, tuple)) else [value]
+    if single and len(items) != 1:
+        raise ValueError(f"{name} must be one token id, got {value!r}")
+    ids = [_int_like(v, name) for v in items]
+    bad = [i for i in ids if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"{name} {bad} outside the target's vocabulary [0, {vocab})")
+    return ids

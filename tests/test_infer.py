@@ -12,6 +12,7 @@ from conftest import ARCHITECTURES, VOCAB, perturbed_copy, tiny_model
 
 from infer import DraftModelDrafter, DraftTree, LookupFirstDrafter, SelfSpecModel
 from infer.drafters import NgramDrafter
+from infer.drafters.staged import StagedDrafter
 from infer.drafting import Drafter, TargetStep
 
 
@@ -41,7 +42,37 @@ DRAFTERS = {
     "bf16": lambda target: "bf16",
     "int8": lambda target: "int8",
     "early_exit": lambda target: "early_exit:2",
+    "staged": lambda target: "staged:bf16+ngram",
 }
+
+
+def test_staged_drafting_saves_draft_forwards_and_stays_exact():
+    """Prompt lookup guesses for the draft model; once the text repeats itself, the draft model confirms
+    several guessed tokens per forward, and its drafts stay its own greedy tokens (output exact)."""
+
+    def markov(model):  # attention outputs zeroed: the next token depends on the last one only, so
+        with torch.no_grad():  # greedy text falls into a cycle that prompt lookup can predict
+            for layer in model.model.layers:
+                layer.self_attn.o_proj.weight.zero_()
+        return model
+
+    target = markov(tiny_model("llama"))
+    ids = torch.tensor([[5, 9, 14, 22, 31]])
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=[])
+    plain = SelfSpecModel(target, DraftModelDrafter(markov(perturbed_copy(target)), num_tokens=6))
+    staged = SelfSpecModel(target, StagedDrafter(markov(perturbed_copy(target)), num_tokens=6, adaptive=False))
+    calls = {}
+    for name, model in (("plain", plain), ("staged", staged)):
+        calls[name] = 0
+
+        def count(*_, name=name):
+            calls[name] += 1
+
+        hook = model.drafter.model.register_forward_pre_hook(count)
+        assert torch.equal(model.generate(ids, max_new_tokens=40, eos_token_id=[]), expected)
+        hook.remove()
+    assert staged.last_stats["mean_accepted_length"] == pytest.approx(plain.last_stats["mean_accepted_length"])
+    assert calls["staged"] < calls["plain"], calls
 
 
 @pytest.mark.parametrize("batch", [1, 3])

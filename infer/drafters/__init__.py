@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..drafting import Drafter
-from . import gguf, self_draft
+from . import gguf, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
@@ -42,6 +42,8 @@ register("int8", self_draft.int8, "int8",
 register("bf16", self_draft.bf16, "bf16", "a bfloat16 copy of the target, drafting in torch")
 register("early_exit", self_draft.early_exit, "early_exit:<layers>",
          "the target's own first <layers> layers, final norm and LM head; no extra weights")
+register("staged", staged.from_spec, "staged:<drafter>+ngram",
+         "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
 
 
 def known() -> str:

@@ -52,24 +52,36 @@ class DraftModelDrafter(Drafter):
             # Slots since the last propose: [pending (left-padded), root, d1, ..., d_{fed-1}]. Keep the
             # pending ones and the chain nodes the target accepted; queue accepted tokens never fed.
             accepted = step.valid.sum(1)
-            chain_keep = torch.arange(self.fed, device=accepted.device)[None, :] < accepted[:, None]
-            keep = torch.cat([self.pend_valid, chain_keep], dim=1)
+            keep = torch.cat([self.pend_valid, self._chain_slots_kept(accepted)], dim=1)
             order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
             self.kv.commit(self.start, order, keep.gather(1, order))
-            self.pending = [step.tokens[b, self.fed:int(accepted[b])] for b in range(len(accepted))]
+            fed = self._nodes_fed(len(accepted))
+            self.pending = [step.tokens[b, fed[b]:int(accepted[b])] for b in range(len(accepted))]
             if self.length is not None:
                 self.length.judged(accepted - 1)
         self.roots = step.next_tokens
 
-    def propose(self, budget: torch.Tensor) -> DraftTree:
-        k = max(0, min(self.num_tokens, int(budget.max())))
+    def _chain_slots_kept(self, accepted: torch.Tensor) -> torch.Tensor:
+        """[B, fed] bool: which chain slots of the last propose hold a node the target kept. Here chain slot
+        i holds node i (the root, then each draft but the last)."""
+        return torch.arange(self.fed, device=accepted.device)[None, :] < accepted[:, None]
+
+    def _nodes_fed(self, rows: int) -> list[int]:
+        """Per row, how many tree nodes (root first) the last propose fed to the draft cache."""
+        return [self.fed] * rows
+
+    def _skip_drafting(self) -> DraftTree:
+        """Nothing to draft; the root reaches the draft cache with the next block."""
         b = self.roots.shape[0]
-        if k == 0:  # nothing to draft; the root reaches the draft cache with the next block
-            self.start, self.fed, self.pend_width = self.kv.size, 0, 0
-            self.pend_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.roots.device)
-            self.pending = [torch.cat([p, self.roots[r:r + 1]]) for r, p in enumerate(self.pending)]
-            return chain_tree(self.roots, self.roots.new_zeros(b, 0), torch.zeros_like(budget))
-        # The unseen committed tokens and the root, as one left-padded block.
+        self.start, self.fed, self.pend_width = self.kv.size, 0, 0
+        self.pend_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.roots.device)
+        self.pending = [torch.cat([p, self.roots[r:r + 1]]) for r, p in enumerate(self.pending)]
+        return chain_tree(self.roots, self.roots.new_zeros(b, 0), torch.zeros(b, dtype=torch.long))
+
+    def _catch_up_block(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The committed tokens the draft model has not seen and the root, as one left-padded block
+        ([B, W] ids and validity); starts the bookkeeping of this propose."""
+        b = self.roots.shape[0]
         width = max(len(p) for p in self.pending) + 1
         block = self.roots.new_zeros(b, width)
         valid = torch.zeros(b, width, dtype=torch.bool, device=block.device)
@@ -79,6 +91,14 @@ class DraftModelDrafter(Drafter):
             valid[row, width - len(seq):] = True
         self.start, self.fed, self.pend_width = self.kv.size, 0, width - 1
         self.pend_valid = valid[:, :-1]
+        return block, valid
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        k = max(0, min(self.num_tokens, int(budget.max())))
+        b = self.roots.shape[0]
+        if k == 0:
+            return self._skip_drafting()
+        block, valid = self._catch_up_block()
         depth, ancestors, node_valid = prompt_tree(valid)
         inputs, drafts, qs = block, [], []
         one = torch.ones(b, 1, dtype=torch.bool, device=block.device)

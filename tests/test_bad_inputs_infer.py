@@ -1,0 +1,110 @@
+"""Bad inputs to inference: one table of (what a user does, the error it must get, words the message holds).
+
+Each row builds what it needs from the tiny llama fixture and must fail with that error type and a
+message that names the problem (and, where there is one, the fix). The training side has its own table in
+test_bad_inputs_train.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from transformers import GenerationConfig
+
+from infer import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, SelfSpecModel
+from infer.drafters.adaptive import AdaptiveLength
+
+IDS = torch.tensor([[5, 9, 14, 5, 9, 20]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+def gen(target, ids=IDS, **kwargs):
+    return SelfSpecModel(target, "ngram").generate(ids, **kwargs)
+
+
+ROWS = [
+    # ---- building a SelfSpecModel
+    ("target is not a model", lambda t: SelfSpecModel("llama", "ngram"), TypeError, "target must be a transformers causal LM"),
+    ("unknown drafter name", lambda t: SelfSpecModel(t, "hydra"), ValueError, "unknown drafter 'hydra'; the named drafters are: ngram, gguf"),
+    ("drafter of a wrong type", lambda t: SelfSpecModel(t, 3), TypeError, "cannot draft with a int"),
+    ("early_exit without a layer count", lambda t: SelfSpecModel(t, "early_exit"), ValueError, "write early_exit:<layers>"),
+    ("early_exit with a word", lambda t: SelfSpecModel(t, "early_exit:half"), ValueError, "write early_exit:<layers>"),
+    ("early_exit at the layer count", lambda t: SelfSpecModel(t, "early_exit:4"), ValueError, "must keep between 1 and 3 of the target's 4 layers"),
+    ("early_exit of zero layers", lambda t: SelfSpecModel(t, "early_exit:0"), ValueError, "must keep between 1 and 3"),
+    ("bf16 with an argument", lambda t: SelfSpecModel(t, "bf16:fast"), ValueError, "'bf16' takes no argument"),
+    ("int8 with an argument", lambda t: SelfSpecModel(t, "int8:4"), ValueError, "'int8' takes no argument"),
+    ("gguf file missing", lambda t: SelfSpecModel(t, "gguf:/nonexistent/model.gguf"), (FileNotFoundError, ImportError), "/nonexistent/model.gguf"),
+    ("draft model with another vocabulary", lambda t: SelfSpecModel(t, tiny_model("llama", vocab_size=50)), ValueError, "must share the target's tokenizer"),
+    ("n-gram sizes reversed", lambda t: NgramDrafter(max_ngram=1, min_ngram=2), ValueError, "min_ngram <= max_ngram"),
+    ("n-gram drafting nothing", lambda t: NgramDrafter(num_tokens=0), ValueError, "num_tokens must be >= 1"),
+    ("draft model drafting nothing", lambda t: DraftModelDrafter(tiny_model("llama"), num_tokens=0), ValueError, "num_tokens must be >= 1"),
+    ("adaptive length of zero", lambda t: AdaptiveLength(max_tokens=0), ValueError, "1 <= min_tokens <= max_tokens"),
+    ("lookup min_match past its n-gram size", lambda t: LookupFirstDrafter(NgramDrafter(), min_match=9), ValueError, "min_match must be in 1..3"),
+    # ---- prompts
+    ("input_ids as a list", lambda t: gen(t, ids=[[5, 9]], max_new_tokens=4), TypeError, "input_ids must be a LongTensor"),
+    ("input_ids as floats", lambda t: gen(t, ids=IDS.float(), max_new_tokens=4), TypeError, "input_ids must be a LongTensor"),
+    ("empty prompt", lambda t: gen(t, ids=IDS[:, :0], max_new_tokens=4), ValueError, "non-empty prompt"),
+    ("mask of another shape", lambda t: gen(t, attention_mask=torch.ones(1, 3), max_new_tokens=4), ValueError, "attention_mask shape"),
+    ("right padding", lambda t: gen(t, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), max_new_tokens=4), ValueError, "left-padded"),
+    ("all-padding row", lambda t: gen(t, attention_mask=torch.zeros(1, 6, dtype=torch.long), max_new_tokens=4), ValueError, "empty"),
+    ("ids outside the vocabulary", lambda t: gen(t, ids=torch.tensor([[5, 999]]), max_new_tokens=4), ValueError, "outside the target's vocabulary"),
+    ("prompt filling the context", lambda t: gen(t, ids=torch.full((1, 256), 5), max_new_tokens=4), ValueError, "leaves no room in the target's context of 256"),
+    # ---- lengths and sampling settings
+    ("no max_new_tokens", lambda t: gen(t), ValueError, "pass max_new_tokens"),
+    ("max_new_tokens zero", lambda t: gen(t, max_new_tokens=0), ValueError, "max_new_tokens must be a positive int"),
+    ("max_new_tokens negative", lambda t: gen(t, max_new_tokens=-3), ValueError, "max_new_tokens must be a positive int"),
+    ("max_new_tokens a float", lambda t: gen(t, max_new_tokens=2.5), TypeError, "max_new_tokens must be an integer"),
+    ("max_new_tokens a bool", lambda t: gen(t, max_new_tokens=True), TypeError, "max_new_tokens must be an integer"),
+    ("max_new_tokens a float tensor", lambda t: gen(t, max_new_tokens=torch.tensor(4.0)), TypeError, "max_new_tokens must be an integer"),
+    ("do_sample as a string", lambda t: gen(t, max_new_tokens=4, do_sample="False"), TypeError, "do_sample must be True or False"),
+    ("top_k a float", lambda t: gen(t, max_new_tokens=4, do_sample=True, top_k=2.5), TypeError, "top_k must be an integer"),
+    ("top_k negative", lambda t: gen(t, max_new_tokens=4, do_sample=True, top_k=-1), ValueError, "top_k must be an int >= 0"),
+    ("temperature zero when sampling", lambda t: gen(t, max_new_tokens=4, do_sample=True, temperature=0.0), ValueError, "temperature must be > 0"),
+    ("top_p above one", lambda t: gen(t, max_new_tokens=4, do_sample=True, top_p=1.5), ValueError, "top_p must be in (0, 1]"),
+    ("top_p zero", lambda t: gen(t, max_new_tokens=4, do_sample=True, top_p=0.0), ValueError, "top_p must be in (0, 1]"),
+    # ---- token ids
+    ("negative pad", lambda t: gen(t, max_new_tokens=4, pad_token_id=-5), ValueError, "pad_token_id [-5] outside the target's vocabulary"),
+    ("two pads", lambda t: gen(t, max_new_tokens=4, pad_token_id=[0, 1]), ValueError, "pad_token_id must be one token id"),
+    ("eos outside the vocabulary", lambda t: gen(t, max_new_tokens=4, eos_token_id=1000), ValueError, "eos_token_id [1000] outside"),
+    ("eos as text", lambda t: gen(t, max_new_tokens=4, eos_token_id="</s>"), TypeError, "eos_token_id must be an integer"),
+    ("suppressed token outside the vocabulary", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, suppress_tokens=[500])), ValueError, "suppress_tokens [500] outside"),
+    # ---- generation configs we cannot reproduce exactly
+    ("generation_config as a dict", lambda t: gen(t, max_new_tokens=4, generation_config={"top_k": 4}), TypeError, "generation_config must be a GenerationConfig"),
+    ("repetition penalty", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, repetition_penalty=1.3)), ValueError, "repetition_penalty"),
+    ("no-repeat n-grams", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=2)), ValueError, "no_repeat_ngram_size"),
+    ("beam search", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, num_beams=2)), ValueError, "num_beams"),
+    ("several sequences per prompt", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, num_return_sequences=2, do_sample=True)), ValueError, "num_return_sequences"),
+    ("multi-token bad words", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, bad_words_ids=[[5, 9]])), ValueError, "bad_words_ids with sequences of more than one token"),
+    ("min_p", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, min_p=0.1, do_sample=True)), ValueError, "min_p"),
+    ("typical_p", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, typical_p=0.5, do_sample=True)), ValueError, "typical_p"),
+    ("forced eos", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, forced_eos_token_id=2)), ValueError, "forced_eos_token_id"),
+    ("stop strings", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, stop_strings=["."])), ValueError, "stop_strings"),
+    # ---- call plumbing
+    ("streamer without put/end", lambda t: gen(t, max_new_tokens=4, streamer=object()), TypeError, "streamer must have put() and end()"),
+    ("generator as a seed", lambda t: gen(t, max_new_tokens=4, do_sample=True, generator=123), TypeError, "generator must be a torch.Generator"),
+    ("streamer with a batch", lambda t: SelfSpecModel(t, "ngram").generate(IDS.repeat(2, 1), max_new_tokens=4, streamer=_Sink()), ValueError, "streamer supports batch size 1"),
+]
+
+
+class _Sink:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("case,make,error,fragment", ROWS, ids=[r[0] for r in ROWS])
+def test_bad_input_gets_a_clear_error(target, case, make, error, fragment):
+    with pytest.raises(error) as info:
+        make(target)
+    assert fragment in str(info.value), f"{case}: {info.value}"
+
+
+def test_table_is_large_enough():
+    assert len(ROWS) >= 50

@@ -1,0 +1,161 @@
+"""The user's objects are left as they were, generate means what transformers' generate means, and a
+SelfSpecModel refuses to be driven from two threads at once (issue: nothing silently wrong)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import threading
+
+import numpy as np
+import pytest
+import torch
+from conftest import perturbed_copy, tiny_model
+from transformers import GenerationConfig
+
+from infer import DraftModelDrafter, SelfSpecModel
+
+IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+
+DRAFTERS = {
+    "ngram": lambda t: "ngram",
+    "draft_model": lambda t: perturbed_copy(t),
+    "adaptive": lambda t: DraftModelDrafter(perturbed_copy(t), adaptive=True),
+    "bf16": lambda t: "bf16",
+    "int8": lambda t: "int8",
+    "early_exit": lambda t: "early_exit:2",
+}
+
+
+def heads_drafter(kind: str, target):
+    import heads
+
+    return heads.build(kind, target)
+
+
+def module_state(model) -> list:
+    return [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()]
+
+
+@pytest.mark.parametrize("kind", [*DRAFTERS, "medusa", "eagle", "eagle3"])
+def test_target_is_left_as_it_was(kind):
+    target = tiny_model("llama").train()  # a user mid-training: the mode must survive
+    target.model.layers[1].eval()  # and per-module flags too
+    with torch.no_grad():  # transformers installs its hidden-state capture hooks on first use: not ours
+        target(IDS, output_hidden_states=True)
+    weights = {k: v.clone() for k, v in target.state_dict().items()}
+    before = module_state(target)
+    drafter = heads_drafter(kind, target) if kind in ("medusa", "eagle", "eagle3") else DRAFTERS[kind](target)
+    model = SelfSpecModel(target, drafter)
+    model.generate(IDS, max_new_tokens=12)
+    assert module_state(target) == before  # no attribute, hook or packed weight left; modes restored
+    assert all(torch.equal(v, weights[k]) for k, v in target.state_dict().items())
+    copy.deepcopy(target)
+    pickle.dumps(target)
+    torch.save(target.state_dict(), io.BytesIO())
+    torch.save(target, io.BytesIO())
+    target.eval()
+    own = target.generate(IDS, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=12), own)
+
+
+def test_flex_attention_target_gets_its_attention_back():
+    target = tiny_model("llama", attn_implementation="flex_attention")
+    with pytest.warns(UserWarning, match="runs with 'sdpa' during generate"):
+        model = SelfSpecModel(target, "ngram")
+    expected = target.generate(IDS, max_new_tokens=10, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=10), expected)
+    assert target.config._attn_implementation == "flex_attention"
+
+
+def test_second_thread_is_refused_while_one_generates():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, "ngram")
+    started, release = threading.Event(), threading.Event()
+
+    class Streamer:  # holds the first call inside generate until the second one has tried
+        def put(self, value):
+            started.set()
+            release.wait(10)
+
+        def end(self):
+            pass
+
+    first = threading.Thread(target=lambda: model.generate(IDS, max_new_tokens=4, streamer=Streamer()))
+    first.start()
+    assert started.wait(10)
+    with pytest.raises(RuntimeError, match="already generating in another thread"):
+        model.generate(IDS, max_new_tokens=4)
+    release.set()
+    first.join()
+    # the lock is released: the model works again, and one model per thread is the documented way
+    assert torch.equal(model.generate(IDS, max_new_tokens=8), target.generate(IDS, max_new_tokens=8, do_sample=False))
+
+
+@pytest.mark.parametrize("drafter", ["ngram", "draft_model"])
+@pytest.mark.parametrize("setting", [
+    {"min_new_tokens": 10, "eos_token_id": 7},
+    {"suppress_tokens": [20, 33, 5]},
+    {"begin_suppress_tokens": [5, 20]},
+    {"bad_words_ids": [[20], [9]]},
+])
+def test_supported_generation_config_fields_match_transformers(drafter, setting):
+    target = tiny_model("llama")
+    gc = GenerationConfig(max_new_tokens=16, do_sample=False, pad_token_id=0, **setting)
+    expected = target.generate(IDS, generation_config=gc)
+    model = SelfSpecModel(target, perturbed_copy(target) if drafter == "draft_model" else "ngram")
+    assert torch.equal(model.generate(IDS, generation_config=gc), expected)
+
+
+def test_min_new_tokens_really_changes_the_output():
+    """The case above is not vacuous: without min_new_tokens this prompt stops early at eos 7."""
+    target = tiny_model("llama")
+    plain = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=7, pad_token_id=0)
+    held = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=7, pad_token_id=0,
+                           min_new_tokens=10)
+    if torch.equal(plain, held):
+        pytest.skip("eos 7 is never the argmax here; pick another id")
+    model = SelfSpecModel(target, "ngram")
+    assert torch.equal(model.generate(IDS, max_new_tokens=16, eos_token_id=7, pad_token_id=0,
+                                      generation_config=GenerationConfig(min_new_tokens=10)), held)
+
+
+def test_token_ids_and_lengths_in_the_forms_generate_takes():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, "ngram")
+    expected = target.generate(IDS, max_new_tokens=12, do_sample=False, eos_token_id=[40, 41], pad_token_id=0)
+    for eos in ([40, 41], torch.tensor([40, 41]), np.array([40, 41])):
+        for n in (12, np.int64(12), torch.tensor(12)):
+            assert torch.equal(model.generate(IDS, max_new_tokens=n, eos_token_id=eos, pad_token_id=0), expected)
+    one = target.generate(IDS, max_new_tokens=12, do_sample=False, eos_token_id=40, pad_token_id=0)
+    assert torch.equal(model.generate(IDS, max_new_tokens=12, eos_token_id=np.int64(40), pad_token_id=0), one)
+
+
+def test_eos_list_without_pad_pads_with_the_first_eos():
+    target = tiny_model("llama")
+    target.generation_config.pad_token_id = None
+    ids = torch.tensor([[5, 9, 14, 5], [3, 3, 8, 7]])
+    reference = target.generate(ids, max_new_tokens=12, do_sample=False)
+    eos = [int(reference[0, 6]), 1]  # row 0 stops early on its third new token; pad must be eos[0]
+    expected = target.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    got = SelfSpecModel(target, "ngram").generate(ids, max_new_tokens=12, eos_token_id=eos)
+    assert torch.equal(got, expected)
+
+
+def test_too_many_new_tokens_for_the_context_warns():
+    target = tiny_model("llama")  # 256 positions
+    with pytest.warns(UserWarning, match="does not fit the target's context of 256 positions"):
+        out = SelfSpecModel(target, "ngram").generate(IDS, max_new_tokens=1000, eos_token_id=[])
+    assert out.shape[1] == 256
+
+
+def test_seeded_sampling_with_a_draft_model_is_reproducible():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, perturbed_copy(target, scale=0.3))
+    runs = [model.generate(IDS.repeat(4, 1), max_new_tokens=12, do_sample=True,
+                           generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    torch.manual_seed(123)  # the global RNG must not matter
+    runs.append(model.generate(IDS.repeat(4, 1), max_new_tokens=12, do_sample=True,
+                               generator=torch.Generator().manual_seed(3)))
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
