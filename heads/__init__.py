@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PretrainedConfig, PreTrainedModel
@@ -100,7 +101,7 @@ def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
     model_type = config_dict.get("model_type")
     for _, model_cls in REGISTRY.values():
         if model_cls.config_class.model_type == model_type:
-            return model_cls.from_pretrained(path_or_hub_id, **hf_kwargs)
+            return _check_finite(model_cls.from_pretrained(path_or_hub_id, **hf_kwargs), path_or_hub_id)
     hint = ""
     if "speculators_model_type" in config_dict:
         hint = " It is a speculators checkpoint: use heads.export.import_speculators(folder)."
@@ -108,6 +109,15 @@ def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
         hint = " It is a vLLM Medusa checkpoint: use heads.export.import_medusa_vllm(folder)."
     known = sorted(m.config_class.model_type for _, m in REGISTRY.values())
     raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}, not a selfspec drafter ({known}).{hint}")
+
+
+def _check_finite(model: DrafterModel, source) -> DrafterModel:
+    """A weight file whose bytes were damaged loads without complaint but holds NaN/inf: refuse it."""
+    bad = [name for name, p in model.named_parameters() if p.is_floating_point() and not torch.isfinite(p).all()]
+    if bad:
+        raise ValueError(f"{source} holds non-finite weights ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''}):"
+                         " the file is damaged or was saved from a diverged run; re-download or retrain it")
+    return model
 
 
 __all__ = [

@@ -157,3 +157,16 @@ def resolve_target(name_or_path: str | os.PathLike, **hf_kwargs) -> tuple[PreTra
         model.name_or_path = model.config._name_or_path = EMBEDDED_NAME
         tokenizer.name_or_path = EMBEDDED_NAME
     return model.eval(), tokenizer
+
+
+def target_tokenizer(target: PreTrainedModel) -> PreTrainedTokenizerBase | None:
+    """The tokenizer saved beside a target loaded from a local folder (or the embedded one), or None."""
+    folder = getattr(target, "name_or_path", None) or getattr(target.config, "_name_or_path", None)
+    if folder == EMBEDDED_NAME:
+        folder = str(embedded_folder())
+    if not folder or not os.path.isdir(folder):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError):
+        return None

@@ -29,6 +29,7 @@ from transformers import GenerationConfig, PreTrainedModel
 from . import cpu_linear
 from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
+from .embedded import target_tokenizer
 from .kv import KVState, forward_block, prompt_tree
 from .sampling import SamplingParams, next_token
 from .tree import DraftTree
@@ -48,6 +49,11 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> D
     elif isinstance(drafter, str):
         out = build_drafter(drafter, target, tokenizer)
     elif hasattr(drafter, "as_drafter"):  # a trained drafter from `heads`
+        if tokenizer is None and drafter.config.tokenizer_fingerprint is not None:
+            tokenizer = target_tokenizer(target)
+            if tokenizer is None:
+                warnings.warn("the drafter records the tokenizer it was trained with, but the target's could "
+                              "not be found to compare; pass tokenizer= to SelfSpecModel", stacklevel=3)
         drafter.attach(target, tokenizer)
         out = drafter.as_drafter()
     elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
@@ -69,18 +75,33 @@ def _check_maskable(target) -> None:
         return
     try:
         target.set_attn_implementation("sdpa")
-        target.set_attn_implementation(impl)
     except (ValueError, ImportError) as err:
         raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch to "
                          "sdpa; load it with attn_implementation='eager'") from err
+    finally:
+        _set_attention(target, impl)
     warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; the target runs with "
                   "'sdpa' during generate and gets its own back afterwards", stacklevel=3)
 
 
+def _set_attention(target, impl: str) -> None:
+    try:
+        target.set_attn_implementation(impl)
+    except (ValueError, ImportError):  # the user's own setting, even one this machine cannot load
+        target.config._attn_implementation = impl
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
 @contextlib.contextmanager
 def _generation_mode(target):
-    """Eval mode and a maskable attention for the call; the user's train/eval flags and attention after."""
-    training = {name: m.training for name, m in target.named_modules()}
+    """Eval mode and a maskable attention for the call. Afterwards the target is as it was: the user's
+    train/eval flags and attention, and no attribute or hook left on its modules (transformers installs
+    hidden-state capture hooks on first use, which would make the model unpicklable)."""
+    before = {name: (m.training, set(m.__dict__), {d: set(getattr(m, d, {})) for d in _HOOK_DICTS})
+              for name, m in target.named_modules()}
     impl = target.config._attn_implementation
     switch = impl not in MASKABLE_ATTENTION
     if switch:
@@ -89,10 +110,18 @@ def _generation_mode(target):
     try:
         yield
     finally:
-        for name, m in target.named_modules():
-            m.training = training.get(name, m.training)
         if switch:
-            target.set_attn_implementation(impl)
+            _set_attention(target, impl)
+        for name, m in target.named_modules():
+            if name not in before:
+                continue
+            training, keys, hooks = before[name]
+            m.training = training
+            for d, ids in hooks.items():
+                for hook_id in set(getattr(m, d, {})) - ids:
+                    getattr(m, d).pop(hook_id, None)
+            for key in set(m.__dict__) - keys:
+                del m.__dict__[key]
 
 
 @dataclass
@@ -154,8 +183,10 @@ class SelfSpecModel:
 
     @classmethod
     def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
-                        **hf_kwargs) -> SelfSpecModel:
-        """Load a saved drafter and, unless given, the target recorded in its config.
+                        tokenizer=None, **hf_kwargs) -> SelfSpecModel:
+        """Load a saved drafter and, unless given, the target recorded in its config (with its tokenizer,
+        which is checked against the one the drafter was trained with; pass `tokenizer=` with your own
+        target, or it is looked for beside the target).
 
         A Medusa-2 drafter (trained jointly with LoRA on the target) records `target_adapter`; the
         adapter saved beside it is applied to the loaded target and merged, since the heads only predict
@@ -178,7 +209,7 @@ class SelfSpecModel:
         if adapter:
             warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
                           f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)
-        return cls(target, drafter)
+        return cls(target, drafter, tokenizer=tokenizer)
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()

@@ -45,11 +45,21 @@ def load_questions(path: str | Path, limit: int = 0, categories: list[str] | Non
     """Questions from a jsonl file, optionally filtered by category, cut to the first `per_category` of
     each category, then to the first `limit`."""
     questions = []
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no question file at {path}; pass --questions with an MT-bench/Spec-Bench jsonl "
+                                "file, e.g. ../shared/data/mt_bench.jsonl")
     with open(path) as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            q = json.loads(line)
+            try:
+                q = json.loads(line)
+            except json.JSONDecodeError as err:
+                hint = " (a JSON array? write one question object per line)" if line.lstrip()[:1] == "[" else ""
+                raise ValueError(f"{path}:{n}: not valid JSON: {err.msg} at column {err.colno}{hint}") from None
+            if not isinstance(q, dict):
+                raise ValueError(f"{path}:{n}: each line must be one question object, got a JSON "
+                                 f"{type(q).__name__}; write one object per line (jsonl)")
             missing = {"question_id", "category", "turns"} - q.keys()
             if missing:
                 raise ValueError(f"{path}:{n}: question lacks {sorted(missing)}; expected MT-bench/Spec-Bench "

@@ -52,8 +52,16 @@ def check_args(args, drafter_dir: Path) -> None:
 
 def measured_metrics(bench_file: Path, method: str | None) -> dict | None:
     """The 'overall' row of a bench results.json for the drafter's method (or the only drafter method)."""
-    result = json.loads(bench_file.read_text())
-    overall = result["per_category"]["overall"]
+    try:
+        result = json.loads(bench_file.read_text())
+        overall = result["per_category"]["overall"]
+        result["methods"], result["settings"]  # noqa: B018 (both are read below)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{bench_file} is not valid JSON ({err.msg}, line {err.lineno}); pass the results.json "
+                         "that scripts/bench.py wrote, or leave --bench out") from None
+    except (KeyError, TypeError) as err:
+        raise ValueError(f"{bench_file} is not a scripts/bench.py results.json (missing {err}); pass the one "
+                         "bench.py wrote, or leave --bench out") from None
     candidates = [m for m in result["methods"] if m not in ("baseline", "pld", "ngram")]
     if method is None:
         if len(candidates) != 1:

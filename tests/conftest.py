@@ -79,3 +79,25 @@ def perturbed_copy(model, scale: float = 0.05, seed: int = 7):
         for p in draft.parameters():
             p.add_(torch.randn(p.shape, generator=g) * scale * p.std().nan_to_num(0))
     return draft
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The real embedded target (SmolLM2-135M-Instruct) and its tokenizer, padding on the left."""
+    import os
+
+    from infer.embedded import resolve_target
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # the one-thread pin above is for the tiny models
+    model, tokenizer = resolve_target("smollm2-135m-instruct")
+    tokenizer.padding_side = "left"
+    yield model, tokenizer
+    torch.set_num_threads(threads)
+
+
+def chat(tokenizer, texts: list[str]):
+    """A left-padded batch of one-turn chat prompts."""
+    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
+                                              add_generation_prompt=True) for t in texts]
+    return tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False)

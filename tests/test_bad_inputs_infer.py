@@ -7,6 +7,10 @@ test_bad_inputs_train.py.
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -16,6 +20,42 @@ from infer import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, SelfSpecM
 from infer.drafters.adaptive import AdaptiveLength
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 20]])
+SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+
+
+def script(name: str):
+    if f"_{name}" not in sys.modules:
+        spec = importlib.util.spec_from_file_location(f"_{name}", SCRIPTS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[f"_{name}"] = module  # dataclasses look their module up while the file executes
+        spec.loader.exec_module(module)
+    return sys.modules[f"_{name}"]
+
+
+def questions(tmp: Path, text: str) -> Path:
+    path = tmp / "q.jsonl"
+    path.write_text(text)
+    return path
+
+
+def damaged_drafter(tmp: Path, target) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    import heads
+
+    folder = tmp / "drafter"
+    heads.build("medusa", target).save_pretrained(folder)
+    weights = load_file(folder / "model.safetensors")
+    first = next(iter(weights))
+    weights[first] = torch.full_like(weights[first], float("nan"))
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def bench_result(tmp: Path, text: str) -> Path:
+    path = tmp / "results.json"
+    path.write_text(text)
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +128,15 @@ ROWS = [
     ("streamer without put/end", lambda t: gen(t, max_new_tokens=4, streamer=object()), TypeError, "streamer must have put() and end()"),
     ("generator as a seed", lambda t: gen(t, max_new_tokens=4, do_sample=True, generator=123), TypeError, "generator must be a torch.Generator"),
     ("streamer with a batch", lambda t: SelfSpecModel(t, "ngram").generate(IDS.repeat(2, 1), max_new_tokens=4, streamer=_Sink()), ValueError, "streamer supports batch size 1"),
+    # ---- files: saved drafters, benchmark questions and results
+    ("drafter file with damaged weights", lambda t, tmp: __import__("heads").load(damaged_drafter(tmp, t)), ValueError, "holds non-finite weights"),
+    ("question file missing", lambda t, tmp: script("bench").load_questions(tmp / "none.jsonl"), FileNotFoundError, "no question file at"),
+    ("question file with a broken second line", lambda t, tmp: script("bench").load_questions(questions(tmp, '{"question_id": 1, "category": "a", "turns": ["x"]}\n{"question_id": 2,\n')), ValueError, "q.jsonl:2: not valid JSON"),
+    ("question file as a JSON array", lambda t, tmp: script("bench").load_questions(questions(tmp, '[{"question_id": 1, "category": "a", "turns": ["x"]}]\n')), ValueError, "each line must be one question object, got a JSON list"),
+    ("question file as a multi-line JSON array", lambda t, tmp: script("bench").load_questions(questions(tmp, '[\n{"question_id": 1}\n]\n')), ValueError, "a JSON array?"),
+    ("question without turns", lambda t, tmp: script("bench").load_questions(questions(tmp, '{"question_id": 1, "category": "a"}\n')), ValueError, "question lacks ['turns']"),
+    ("bench results that are not JSON", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, "{oops"), None), ValueError, "is not valid JSON"),
+    ("bench results of another shape", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, '{"methods": []}'), None), ValueError, "is not a scripts/bench.py results.json"),
 ]
 
 
@@ -100,9 +149,9 @@ class _Sink:
 
 
 @pytest.mark.parametrize("case,make,error,fragment", ROWS, ids=[r[0] for r in ROWS])
-def test_bad_input_gets_a_clear_error(target, case, make, error, fragment):
+def test_bad_input_gets_a_clear_error(target, tmp_path, case, make, error, fragment):
     with pytest.raises(error) as info:
-        make(target)
+        make(target, tmp_path) if make.__code__.co_argcount == 2 else make(target)
     assert fragment in str(info.value), f"{case}: {info.value}"
 
 

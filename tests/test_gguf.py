@@ -9,15 +9,12 @@ first two tokens under top-k (chi-square), since the drafter samples from its ow
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import chat, tiny_model
 from scipy.stats import chisquare
 
 from infer import SelfSpecModel
-from infer.embedded import resolve_target
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="the gguf drafter needs llama-cpp-python")
 from infer.drafters.gguf import GGUFDrafter, default_gguf  # noqa: E402
@@ -29,22 +26,6 @@ PROMPTS = [
     "Explain why the sky is blue to a ten year old.",
     "List three facts about the Moon.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # conftest pins 1 thread for the tiny models
-    model, tokenizer = resolve_target("smollm2-135m-instruct")
-    tokenizer.padding_side = "left"
-    yield model, tokenizer
-    torch.set_num_threads(threads)
-
-
-def chat(tokenizer, texts: list[str]):
-    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                              add_generation_prompt=True) for t in texts]
-    return tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("adaptive", [True, False])
@@ -61,6 +42,20 @@ def test_greedy_matches_generate_and_drafts_are_accepted(smollm2, adaptive):
     # A 4-bit copy of the target agrees on ~97% of tokens; a cache out of step with the target's would
     # draft from the wrong context and be rejected almost always.
     assert min(taus) > 3.0, taus
+
+
+def test_target_is_left_as_it_was(smollm2):
+    import copy
+    import io
+
+    model, tokenizer = smollm2
+    before = [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()]
+    enc = chat(tokenizer, PROMPTS[:1])
+    SelfSpecModel(model, GGUFDrafter(max_tokens=4, n_ctx=256), tokenizer=tokenizer).generate(
+        enc.input_ids, max_new_tokens=8)
+    assert [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()] == before
+    copy.deepcopy(model)
+    torch.save(model, io.BytesIO())
 
 
 def test_padded_batch_matches_generate(smollm2):

@@ -289,6 +289,14 @@ def llama():
     return tiny_model("llama")
 
 
+class _Sink:
+    def put(self, value):
+        pass
+
+    def end(self):
+        pass
+
+
 @pytest.mark.parametrize("kwargs,match", [
     (dict(input_ids=torch.zeros(1, 0, dtype=torch.long)), "non-empty prompt"),
     (dict(input_ids=torch.ones(1, 5, dtype=torch.long), max_new_tokens=0), "max_new_tokens"),
@@ -302,7 +310,7 @@ def llama():
     (dict(input_ids=torch.full((1, 3), VOCAB, dtype=torch.long)), "vocabulary"),
     (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, temperature=0.0), "temperature"),
     (dict(input_ids=torch.ones(1, 3, dtype=torch.long), do_sample=True, top_p=1.5), "top_p"),
-    (dict(input_ids=torch.ones(2, 3, dtype=torch.long), streamer=object()), "batch size 1"),
+    (dict(input_ids=torch.ones(2, 3, dtype=torch.long), streamer=_Sink()), "batch size 1"),
 ])
 def test_bad_generate_input(llama, kwargs, match):
     kwargs.setdefault("max_new_tokens", 5)
@@ -335,12 +343,16 @@ def test_unsupported_generation_config(llama):
                                                generation_config=GenerationConfig(num_beams=4, max_new_tokens=3))
 
 
-def test_attention_without_4d_masks_is_switched_to_sdpa():
+def test_attention_without_4d_masks_runs_sdpa_during_generate_only():
     target = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 14, 5]])
+    expected = target.generate(ids, max_new_tokens=8, do_sample=False)
     target.config._attn_implementation = "flash_attention_2"  # as if loaded that way; not installed here
-    with pytest.warns(UserWarning, match="switching the target to 'sdpa'"):
+    with pytest.warns(UserWarning, match="runs with 'sdpa' during generate"):
         model = SelfSpecModel(target, "ngram")
-    assert model.target.config._attn_implementation == "sdpa"
+    assert target.config._attn_implementation == "flash_attention_2"
+    assert torch.equal(model.generate(ids, max_new_tokens=8), expected)
+    assert target.config._attn_implementation == "flash_attention_2"  # the user's setting, back
 
 
 @pytest.mark.parametrize("arch_name", sorted(ARCHITECTURES))

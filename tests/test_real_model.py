@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import chat
 
 from infer import SelfSpecModel
-from infer.embedded import resolve_target
 
 pytestmark = pytest.mark.slow
 
@@ -18,22 +16,6 @@ PROMPTS = [
     "What is the capital of France? Answer in one sentence.",
     "Explain why the sky is blue to a ten year old.",
 ]
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # conftest pins 1 thread for the tiny models
-    model, tokenizer = resolve_target("smollm2-135m-instruct")
-    tokenizer.padding_side = "left"
-    yield model, tokenizer
-    torch.set_num_threads(threads)
-
-
-def chat(tokenizer, texts: list[str]):
-    rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
-                                              add_generation_prompt=True) for t in texts]
-    return tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
 
 
 @pytest.mark.parametrize("drafter", ["ngram", "self_copy"])

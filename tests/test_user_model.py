@@ -42,8 +42,6 @@ def module_state(model) -> list:
 def test_target_is_left_as_it_was(kind):
     target = tiny_model("llama").train()  # a user mid-training: the mode must survive
     target.model.layers[1].eval()  # and per-module flags too
-    with torch.no_grad():  # transformers installs its hidden-state capture hooks on first use: not ours
-        target(IDS, output_hidden_states=True)
     weights = {k: v.clone() for k, v in target.state_dict().items()}
     before = module_state(target)
     drafter = heads_drafter(kind, target) if kind in ("medusa", "eagle", "eagle3") else DRAFTERS[kind](target)
@@ -109,15 +107,16 @@ def test_supported_generation_config_fields_match_transformers(drafter, setting)
 
 
 def test_min_new_tokens_really_changes_the_output():
-    """The case above is not vacuous: without min_new_tokens this prompt stops early at eos 7."""
+    """Not vacuous: with the third greedy token as eos, plain decoding stops after 3 tokens; with
+    min_new_tokens=10 both transformers and SelfSpecModel go on, identically."""
     target = tiny_model("llama")
-    plain = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=7, pad_token_id=0)
-    held = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=7, pad_token_id=0,
+    eos = int(target.generate(IDS, max_new_tokens=3, do_sample=False)[0, -1])
+    plain = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    held = target.generate(IDS, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=0,
                            min_new_tokens=10)
-    if torch.equal(plain, held):
-        pytest.skip("eos 7 is never the argmax here; pick another id")
+    assert (plain[0, IDS.shape[1]:] != 0).sum() < (held[0, IDS.shape[1]:] != 0).sum()
     model = SelfSpecModel(target, "ngram")
-    assert torch.equal(model.generate(IDS, max_new_tokens=16, eos_token_id=7, pad_token_id=0,
+    assert torch.equal(model.generate(IDS, max_new_tokens=16, eos_token_id=eos, pad_token_id=0,
                                       generation_config=GenerationConfig(min_new_tokens=10)), held)
 
 
@@ -159,3 +158,37 @@ def test_seeded_sampling_with_a_draft_model_is_reproducible():
     runs.append(model.generate(IDS.repeat(4, 1), max_new_tokens=12, do_sample=True,
                                generator=torch.Generator().manual_seed(3)))
     assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+def test_short_context_draft_model_stops_drafting_instead_of_failing():
+    """A gpt2 draft model with 24 positions drafting for a 256-position target: once a row outgrows the
+    draft model's context the target goes on alone, with the same output."""
+    target = tiny_model("gpt2")
+    draft = tiny_model("gpt2", seed=3, n_positions=24)
+    ids = torch.randint(3, 90, (1, 12), generator=torch.Generator().manual_seed(0))
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=[])
+    model = SelfSpecModel(target, draft)
+    assert torch.equal(model.generate(ids, max_new_tokens=40, eos_token_id=[]), expected)
+    long_prompt = torch.randint(3, 90, (1, 30), generator=torch.Generator().manual_seed(1))
+    expected = target.generate(long_prompt, max_new_tokens=8, do_sample=False, eos_token_id=[])
+    assert torch.equal(model.generate(long_prompt, max_new_tokens=8, eos_token_id=[]), expected)
+
+
+def test_drafter_trained_with_another_tokenizer_is_refused_without_passing_one(tmp_path):
+    """The target's own tokenizer is found beside it, so a mismatched drafter cannot slip through."""
+    from test_bench import tiny_tokenizer
+
+    import heads
+
+    target = tiny_model("llama")
+    tokenizer = tiny_tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    drafter = heads.build("medusa", target)
+    drafter.config.tokenizer_fingerprint = "0" * 16  # trained with some other tokenizer
+    drafter.save_pretrained(tmp_path / "drafter")
+    local = type(target).from_pretrained(tmp_path / "target")
+    with pytest.raises(ValueError, match="tokenizer fingerprint"):
+        SelfSpecModel(local, heads.load(tmp_path / "drafter"))
+    with pytest.raises(ValueError, match="tokenizer fingerprint"):
+        SelfSpecModel.from_pretrained(str(tmp_path / "drafter"), target=local, tokenizer=tokenizer)

@@ -24,6 +24,8 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.model, self.num_tokens = model.eval(), num_tokens
         self.length = AdaptiveLength(num_tokens) if adaptive else None
+        text = model.config.get_text_config()
+        self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
 
     def check_target(self, target) -> None:
         mine, theirs = self.model.config.get_text_config(), target.config.get_text_config()
@@ -39,11 +41,18 @@ class DraftModelDrafter(Drafter):
         self.kv = KVState(batch_size, target.device, self.model.config)
         self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
         self.start = self.fed = self.pend_width = 0
+        self.off = False  # set once a row outgrows the draft model's context
         if self.length is not None:
             self.length.new_generation()
 
     def observe(self, step: TargetStep) -> None:
+        if self.off:  # past the draft model's context: the target goes on alone
+            self.roots = step.next_tokens
+            return
         if self.kv.size == 0:  # prefill: the whole prompt
+            if self.max_positions and int(step.valid.sum(1).max()) >= self.max_positions:
+                self.off, self.roots = True, step.next_tokens
+                return
             depth, ancestors, valid = prompt_tree(step.valid)
             forward_block(self.model, self.kv, depth, ancestors, valid, input_ids=step.tokens, logits_to_keep=1)
             self.kv.mark_valid(valid)
@@ -93,8 +102,23 @@ class DraftModelDrafter(Drafter):
         self.pend_valid = valid[:, :-1]
         return block, valid
 
-    def propose(self, budget: torch.Tensor) -> DraftTree:
+    def _room(self, budget: torch.Tensor) -> int:
+        """How many tokens to draft this step: at most num_tokens, the budget, and what still fits in the
+        draft model's context (a short-context draft model stops drafting; the target goes on alone)."""
         k = max(0, min(self.num_tokens, int(budget.max())))
+        if self.off:
+            return 0
+        if self.max_positions and self._used() + k > self.max_positions:
+            k = max(0, self.max_positions - self._used())
+            self.off = k == 0
+        return k
+
+    def _used(self) -> int:
+        """The longest row's next position once its pending tokens and the root are fed."""
+        return max(int(n) + len(p) + 1 for n, p in zip(self.kv.length.tolist(), self.pending, strict=True))
+
+    def propose(self, budget: torch.Tensor) -> DraftTree:
+        k = self._room(budget)
         b = self.roots.shape[0]
         if k == 0:
             return self._skip_drafting()

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..drafting import Drafter, TargetStep
+from ..embedded import target_tokenizer
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
 from .adaptive import AdaptiveLength
@@ -117,7 +118,7 @@ class GGUFDrafter(Drafter):
             raise ValueError(f"{self.path.name} has {self.vocab} tokens but the target only {text.vocab_size}: "
                              "the draft must be a quantization of the target, with its tokenizer")
         self.target_vocab = text.vocab_size
-        tokenizer = self.tokenizer or _target_tokenizer(target)
+        tokenizer = self.tokenizer or target_tokenizer(target)
         if tokenizer is None:
             warnings.warn(f"cannot check that {self.path.name} uses the target's tokenizer (pass tokenizer= to "
                           "SelfSpecModel); if it does not, drafts are rejected and generation is slow",
@@ -207,23 +208,6 @@ def _close_all(contexts: list) -> None:
     for llm in contexts:
         llm.close()
     contexts.clear()
-
-
-def _target_tokenizer(target):
-    """The tokenizer saved beside a local target (or the embedded one), or None."""
-    from transformers import AutoTokenizer
-
-    from ..embedded import EMBEDDED_NAME, embedded_folder
-
-    folder = getattr(target, "name_or_path", None) or getattr(target.config, "_name_or_path", None)
-    if folder == EMBEDDED_NAME:
-        folder = str(embedded_folder())
-    if not folder or not os.path.isdir(folder):
-        return None
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except (OSError, ValueError):
-        return None
 
 
 def from_spec(arg: str | None, target, tokenizer=None) -> GGUFDrafter:

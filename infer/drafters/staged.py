@@ -54,12 +54,13 @@ class StagedDrafter(DraftModelDrafter):
         return [len(slots) for slots in self.node_slot]
 
     def propose(self, budget: torch.Tensor) -> DraftTree:
-        k = max(0, min(self.num_tokens, int(budget.max())))
+        k = self._room(budget)
         b = self.roots.shape[0]
         if k == 0:
             self.node_slot = [[] for _ in range(b)]
             return self._skip_drafting()
-        if self.sampling.do_sample:
+        near_end = self.max_positions and self._used() + k + self.inner.num_tokens > self.max_positions
+        if self.sampling.do_sample or near_end:  # guesses need room past the drafts: draft plainly
             tree = super().propose(budget)
             self.node_slot = [list(range(self.fed))] * b
             return tree
