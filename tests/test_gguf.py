@@ -47,15 +47,18 @@ def test_greedy_matches_generate_and_drafts_are_accepted(smollm2, adaptive):
 def test_target_is_left_as_it_was(smollm2):
     import copy
     import io
+    import pickle
 
     model, tokenizer = smollm2
     before = [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()]
     enc = chat(tokenizer, PROMPTS[:1])
-    SelfSpecModel(model, GGUFDrafter(max_tokens=4, n_ctx=256), tokenizer=tokenizer).generate(
+    got = SelfSpecModel(model, GGUFDrafter(max_tokens=4, n_ctx=256), tokenizer=tokenizer).generate(
         enc.input_ids, max_new_tokens=8)
     assert [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()] == before
     copy.deepcopy(model)
+    pickle.dumps(model)
     torch.save(model, io.BytesIO())
+    assert torch.equal(model.generate(**enc, max_new_tokens=8, do_sample=False), got)
 
 
 def test_padded_batch_matches_generate(smollm2):

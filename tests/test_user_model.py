@@ -14,7 +14,7 @@ import torch
 from conftest import perturbed_copy, tiny_model
 from transformers import GenerationConfig
 
-from infer import DraftModelDrafter, SelfSpecModel
+from infer import DraftModelDrafter, LookupFirstDrafter, SelfSpecModel
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
 
@@ -25,6 +25,8 @@ DRAFTERS = {
     "bf16": lambda t: "bf16",
     "int8": lambda t: "int8",
     "early_exit": lambda t: "early_exit:2",
+    "staged": lambda t: "staged:bf16+ngram",
+    "lookup_first": lambda t: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(t)), min_match=1),
 }
 
 
