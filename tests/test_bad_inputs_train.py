@@ -190,7 +190,7 @@ CASES = {
                                                {"id": "b", "messages": [{"role": "human", "content": "hi"},
                                                                         ASSISTANT]})),
                    ValueError, "row 1 (id 'b'): message 0 has role 'human'; roles must be one of "
-                               "['system', 'user', 'assistant'] ('human' is a ShareGPT speaker name: rename it "
+                               "['system', 'developer', 'user', 'assistant', 'tool'] ('human' is a ShareGPT speaker name: rename it "
                                "to 'user'"),
     "role bot": (lambda c: c.samples(c.jsonl({"messages": [USER, {"role": "bot", "content": "yo"}]})),
                  ValueError, "row 0: message 1 has role 'bot'; roles must be one of"),

@@ -4,7 +4,7 @@ Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file) i
 detected from the columns: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of
 `role`/`content`) or Alpaca (`instruction`/`input`/`output`). Each conversation is rendered with the
 target tokenizer's own chat template. Nothing is dropped or guessed silently: a malformed JSON line, a
-role other than system/user/assistant (ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message
+role outside ROLES (ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message
 without text are errors that name the line or the row.
 
 Which tokens are the assistant's is found without knowing the template: for every assistant turn i the
@@ -27,7 +27,8 @@ import torch
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
-ROLES = ("system", "user", "assistant")  # roles of the OpenAI messages format
+# roles of the OpenAI messages format; only assistant turns are trained, the rest is context for the template
+ROLES = ("system", "developer", "user", "assistant", "tool")
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
