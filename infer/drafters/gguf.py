@@ -63,12 +63,17 @@ class _Sequence:
                 break
             common += 1
         common = min(common, len(tokens) - 1)  # the last token is fed again: only the newest logits are kept
-        if len(tokens) > self.llm.n_ctx():
-            raise ValueError(f"the GGUF draft context holds {self.llm.n_ctx()} tokens but this row needs "
-                             f"{len(tokens)}; pass a larger n_ctx to GGUFDrafter")
         self.llm.n_tokens = common  # llama.cpp drops every cached position from here on before decoding
-        self.llm.eval(tokens[common:])
-        self.fed = list(tokens)
+        self.fed = self.fed[:common]
+        return self.extend(tokens[common:])
+
+    def extend(self, tokens: list[int]) -> np.ndarray:
+        """Feed tokens after everything cached; the logits after the last."""
+        if len(self.fed) + len(tokens) > self.llm.n_ctx():
+            raise ValueError(f"the GGUF draft context holds {self.llm.n_ctx()} tokens but this row needs "
+                             f"{len(self.fed) + len(tokens)}; pass a larger n_ctx to GGUFDrafter")
+        self.llm.eval(tokens)
+        self.fed.extend(tokens)
         return self.logits()
 
     def logits(self) -> np.ndarray:
@@ -164,8 +169,7 @@ class GGUFDrafter(Drafter):
             limit = min(k, int(budget[row]))
             if limit == 0:
                 continue
-            chain = self.context[row] + [roots[row]]
-            logits = seq.feed(chain)
+            logits = seq.feed(self.context[row] + [roots[row]])
             for i in range(limit):
                 token, confidence, probs = self._pick(logits)
                 drafts[row, i] = token
@@ -175,8 +179,7 @@ class GGUFDrafter(Drafter):
                 more = self.length.keep_going(row, confidence) if self.length is not None else True
                 if i + 1 == limit or not more:
                     break
-                chain.append(token)
-                logits = seq.feed(chain)
+                logits = seq.extend([token])  # the draft so far is cached: no prefix to compare
         if self.length is not None:
             self.length.drafted()
         device = self.roots.device
