@@ -5,7 +5,9 @@
     drafter.save_pretrained("out/eagle")            # config.json + model.safetensors + README.md
     drafter = heads.load("out/eagle")               # or a hub id; dispatches on the saved model_type
 
-Each kind lives in its own folder (`config.py`, `model.py`) and is registered here with one `register` call.
+Each kind lives in its own folder (`config.py`, `model.py`, `objective.py`, ...) and is registered here
+whole, with one `register(Kind(...))` call that names every part of it the rest of the code uses (see
+heads/kinds.py); train/, infer/ and scripts/ look kinds up here and never name one.
 """
 
 from __future__ import annotations
@@ -18,26 +20,31 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PretrainedConfig, PreTrainedModel
 
+from . import export
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
 from .eagle import EagleConfig, EagleModel
+from .eagle import objective as eagle_objective
 from .eagle3 import Eagle3Config, Eagle3Model, build_vocab_map
+from .eagle3 import objective as eagle3_objective
+from .kinds import REGISTRY, ExportFormat, Kind, get_kind, register
 from .medusa import MedusaConfig, MedusaModel
+from .medusa import objective as medusa_objective
 
-# kind -> (config class, model class)
-REGISTRY: dict[str, tuple[type[DrafterConfig], type[DrafterModel]]] = {}
-
-
-def register(kind: str, config_cls: type[DrafterConfig], model_cls: type[DrafterModel]) -> None:
-    if kind in REGISTRY:
-        raise ValueError(f"drafter kind {kind!r} is already registered ({REGISTRY[kind][1].__name__})")
-    if any(c.model_type == config_cls.model_type for c, _ in REGISTRY.values()):
-        raise ValueError(f"model_type {config_cls.model_type!r} is already registered under another kind")
-    REGISTRY[kind] = (config_cls, model_cls)
-
-
-register("medusa", MedusaConfig, MedusaModel)
-register("eagle", EagleConfig, EagleModel)
-register("eagle3", Eagle3Config, Eagle3Model)
+register(Kind(
+    name="medusa", title="Medusa-1 heads", config_cls=MedusaConfig, model_cls=MedusaModel,
+    objective=medusa_objective.MedusaObjective, eval_depth=medusa_objective.eval_depth, depth_label="head",
+    trains_target_lora=True, exports=(export.VLLM_MEDUSA,),
+))
+register(Kind(
+    name="eagle", title="EAGLE-1/2 drafter", config_cls=EagleConfig, model_cls=EagleModel,
+    objective=eagle_objective.EagleObjective, eval_depth=eagle_objective.eval_depth, depth_label="step",
+    unrolled=True,
+))
+register(Kind(
+    name="eagle3", title="EAGLE-3 drafter", config_cls=Eagle3Config, model_cls=Eagle3Model,
+    objective=eagle3_objective.Eagle3Objective, eval_depth=eagle_objective.eval_depth, depth_label="step",
+    unrolled=True, prepare=eagle3_objective.prepare, exports=(export.SPECULATORS,),
+))
 
 
 def build(kind: str, target: PretrainedConfig | PreTrainedModel, *, tokenizer=None, **options) -> DrafterModel:
@@ -47,9 +54,8 @@ def build(kind: str, target: PretrainedConfig | PreTrainedModel, *, tokenizer=No
     starts from them (Medusa's own projections, EAGLE-3's lm_head rows). `options` are config fields of the
     kind (e.g. `num_heads=5`, `tree={"top_k": 4}`); unknown ones are an error.
     """
-    if kind not in REGISTRY:
-        raise ValueError(f"unknown drafter kind {kind!r}; known kinds: {sorted(REGISTRY)}")
-    config_cls, model_cls = REGISTRY[kind]
+    registered = get_kind(kind)
+    config_cls, model_cls = registered.config_cls, registered.model_cls
     known = set(config_cls.__dataclass_fields__)
     unknown = set(options) - known
     if unknown:
@@ -99,15 +105,13 @@ def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
             raise
         raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, and as a hub id: {err}") from err
     model_type = config_dict.get("model_type")
-    for _, model_cls in REGISTRY.values():
-        if model_cls.config_class.model_type == model_type:
-            return _check_finite(model_cls.from_pretrained(path_or_hub_id, **hf_kwargs), path_or_hub_id)
-    hint = ""
-    if "speculators_model_type" in config_dict:
-        hint = " It is a speculators checkpoint: use heads.export.import_speculators(folder)."
-    elif model_type == "medusa":
-        hint = " It is a vLLM Medusa checkpoint: use heads.export.import_medusa_vllm(folder)."
-    known = sorted(m.config_class.model_type for _, m in REGISTRY.values())
+    for kind in REGISTRY.values():
+        if kind.config_cls.model_type == model_type:
+            return _check_finite(kind.model_cls.from_pretrained(path_or_hub_id, **hf_kwargs), path_or_hub_id)
+    formats = [f for kind in REGISTRY.values() for f in kind.exports if f.recognizes(config_dict)]
+    hint = f" It is a {formats[0].description} checkpoint: use heads.export.{formats[0].load.__name__}(folder)." \
+        if formats else ""
+    known = sorted(kind.config_cls.model_type for kind in REGISTRY.values())
     raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}, not a selfspec drafter ({known}).{hint}")
 
 
@@ -121,7 +125,7 @@ def _check_finite(model: DrafterModel, source) -> DrafterModel:
 
 
 __all__ = [
-    "REGISTRY", "register", "build", "load", "tokenizer_fingerprint", "build_vocab_map",
+    "REGISTRY", "Kind", "ExportFormat", "register", "get_kind", "build", "load", "tokenizer_fingerprint", "build_vocab_map",
     "DrafterConfig", "DrafterModel", "MedusaConfig", "MedusaModel", "EagleConfig", "EagleModel",
     "Eagle3Config", "Eagle3Model",
 ]

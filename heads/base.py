@@ -22,6 +22,7 @@ from transformers.utils import cached_file
 from infer.drafting import Drafter
 
 from .card import write_model_card
+from .kinds import REGISTRY
 
 WEIGHTS_NAME = "model.safetensors"
 
@@ -222,7 +223,9 @@ class DrafterModel(PreTrainedModel):
             raise ValueError("drafters are saved as safetensors only; drop safe_serialization=False")
         kwargs.pop("safe_serialization", None)
         super().save_pretrained(save_directory, **kwargs)
-        write_model_card(save_directory, self.config, kind=self.kind)
+        registered = REGISTRY.get(self.kind)
+        write_model_card(save_directory, self.config, kind=self.kind,
+                         title=registered.title if registered else None)
 
     def push_to_hub(self, repo_id: str, **kwargs) -> str:
         """Save (with the generated model card) to a temporary folder and upload it; see `heads.hub.push`."""

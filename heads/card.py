@@ -5,15 +5,10 @@ from __future__ import annotations
 import json
 import os
 
-KIND_TITLES = {
-    "medusa": "Medusa-1 heads",
-    "eagle": "EAGLE-1/2 drafter",
-    "eagle3": "EAGLE-3 drafter",
-}
 
-
-def write_model_card(folder, config, kind: str) -> str:
-    """Write `folder/README.md` from the drafter's config: base model, kind, training data, metrics."""
+def write_model_card(folder, config, kind: str, title: str | None = None) -> str:
+    """Write `folder/README.md` from the drafter's config: base model, kind, training data, metrics.
+    `title` names the kind in prose (its registered title); the kind's name when not given."""
     base = config.base_model_name_or_path
     front = ["---", "library_name: selfspec", "pipeline_tag: text-generation",
              "tags:", "- speculative-decoding", f"- {kind}"]
@@ -24,7 +19,7 @@ def write_model_card(folder, config, kind: str) -> str:
         front += ["datasets:"] + [f"- {d}" for d in ([data] if isinstance(data, str) else data)]
     front.append("---")
 
-    title = KIND_TITLES.get(kind, kind)
+    title = title or kind
     lines = [f"# {title} for {base or 'an unnamed target'}", "",
              f"{title} for self-speculative decoding with selfspec: it drafts tokens that the target model "
              "then verifies, so generation is unchanged (greedy output is token-identical to the target's).",

@@ -16,6 +16,7 @@ from transformers.utils import cached_file
 
 from .base import check_weights_file
 from .eagle3 import Eagle3Config, Eagle3Model
+from .kinds import ExportFormat
 from .layers import arch_classes
 from .medusa import MedusaConfig, MedusaModel
 
@@ -245,3 +246,11 @@ def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
     _check_keys({**state, **tensors}, model.state_dict(), f"Medusa checkpoint {path_or_id}")
     model.load_state_dict(state, strict=True)
     return model.eval()
+
+
+# ---- the formats, registered with their kinds in heads/__init__.py ------------------------------------------
+
+SPECULATORS = ExportFormat("speculators", "speculators", export_speculators, import_speculators,
+                           recognizes=lambda config: "speculators_model_type" in config)
+VLLM_MEDUSA = ExportFormat("vllm", "vLLM Medusa", export_medusa_vllm, import_medusa_vllm,
+                           recognizes=lambda config: config.get("model_type") == "medusa")

@@ -32,11 +32,13 @@ HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; t
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    import heads
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     p.add_argument("--out", type=Path, default=ROOT / "runs" / "demo", help="output folder")
-    p.add_argument("--drafter-kind", default="eagle3", choices=["eagle3", "eagle", "medusa"],
+    p.add_argument("--drafter-kind", default="eagle3", choices=list(heads.REGISTRY),
                    help="drafter to train (configs/smollm2_<kind>.yaml holds its settings)")
     p.add_argument("--num-prompts", type=int, default=160,
                    help=f"prompts to self-distill and train on (at most {480 - HELD_OUT})")

@@ -3,9 +3,12 @@ end-to-end greedy equivalence through the engine, over tiny targets of every arc
 
 from __future__ import annotations
 
+import ast
+import dataclasses
 import json
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,9 +72,54 @@ def assert_same(a, b):
 
 
 def test_registry_lists_the_three_kinds():
-    assert set(heads.REGISTRY) == {"medusa", "eagle", "eagle3"}
-    with pytest.raises(ValueError, match="already registered"):
-        heads.register("medusa", heads.MedusaConfig, heads.MedusaModel)
+    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3"]
+    for name, kind in heads.REGISTRY.items():
+        assert kind.name == name == kind.model_cls.kind and kind.model_cls.config_class is kind.config_cls
+    assert heads.get_kind("eagle3") is heads.REGISTRY["eagle3"]
+
+
+def test_register_refuses_duplicates_and_mismatches():
+    medusa = heads.REGISTRY["medusa"]
+    with pytest.raises(ValueError, match="drafter kind 'medusa' is already registered"):
+        heads.register(dataclasses.replace(medusa))
+    with pytest.raises(ValueError, match="model_type 'selfspec_medusa' is already registered"):
+        heads.register(dataclasses.replace(medusa, name="medusa_again"))
+
+    class OtherConfig(heads.MedusaConfig):
+        model_type = "selfspec_other"
+
+    with pytest.raises(ValueError, match="must agree"):
+        heads.register(dataclasses.replace(medusa, name="other", config_cls=OtherConfig))
+    with pytest.raises(TypeError, match="heads.Kind"):
+        heads.register(("medusa", heads.MedusaConfig, heads.MedusaModel))
+    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3"]
+
+
+def _kind_literals(path) -> list[str]:
+    """Places in a Python file where a registered kind's name is a string literal in code: docstrings and
+    defaults (a dataclass field's or an argparse `default=`) choose a kind rather than branch on one."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    allowed = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant):
+            allowed.add(id(body[0].value))  # docstring
+        if isinstance(node, ast.ClassDef):
+            allowed.update(id(s.value) for s in node.body if isinstance(s, ast.AnnAssign) and s.value is not None)
+        if isinstance(node, ast.keyword) and node.arg == "default":
+            allowed.add(id(node.value))
+    return [f"{path}:{node.lineno}: {node.value!r}" for node in ast.walk(tree)
+            if isinstance(node, ast.Constant) and node.value in heads.REGISTRY and id(node) not in allowed]
+
+
+def test_train_infer_and_scripts_never_name_a_kind():
+    """Kinds are registered whole (heads/kinds.py): code outside heads/ looks them up, never branches on one."""
+    root = Path(__file__).resolve().parent.parent
+    files = [p for folder in ("train", "infer", "scripts") for p in sorted((root / folder).rglob("*.py"))]
+    assert len(files) > 10
+    assert _kind_literals(root / "tests" / "test_heads.py")  # the check sees literals where there are some
+    assert [hit for p in files for hit in _kind_literals(p)] == []
 
 
 def test_build_rejects_unknown_kind_and_options():

@@ -16,15 +16,13 @@ from pathlib import Path
 
 import yaml
 
-DRAFTER_KINDS = ("medusa", "eagle", "eagle3")
-
 
 @dataclass
 class TrainConfig:
     # --- what to train ---
     target: str = "smollm2-135m-instruct"  # target model: a local folder, a hub id, or the short name of the embedded SmolLM2
     target_dtype: str = "float32"  # dtype the frozen target runs in: float32 | bfloat16 | float16
-    drafter: str = "eagle"  # drafter kind: medusa | eagle | eagle3
+    drafter: str = "eagle"  # drafter kind, one registered in heads/: medusa | eagle | eagle3
     drafter_options: dict = field(default_factory=dict)  # passed to heads.build (e.g. num_heads, num_layers, draft_vocab_size)
     drafter_init: str = ""  # continue training a saved drafter (folder or hub id) instead of building a fresh one
 
@@ -185,8 +183,10 @@ NON_NEGATIVE = {
 
 def validate(config: TrainConfig) -> None:
     """Checks that need no model or data; raise before anything expensive runs."""
+    import heads
+
     choices = {
-        "drafter": DRAFTER_KINDS,
+        "drafter": tuple(heads.REGISTRY),
         "features": ("online", "offline"),
         "loss": ("hard", "soft", "both"),
         "lr_schedule": ("cosine", "linear", "constant"),
@@ -229,8 +229,10 @@ def validate(config: TrainConfig) -> None:
     if config.resume and config.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
                          "output_dir, overwrite deletes it; set only one")
-    if config.lora_r > 0 and config.drafter != "medusa":
-        raise ValueError("lora_r > 0 (Medusa-2) is only supported with drafter: medusa")
+    if config.lora_r > 0 and not heads.REGISTRY[config.drafter].trains_target_lora:
+        able = " | ".join(k.name for k in heads.REGISTRY.values() if k.trains_target_lora)
+        raise ValueError(f"lora_r > 0 (LoRA on the target, trained with the drafter) is only supported with "
+                         f"drafter: {able}")
     if config.lora_r > 0 and config.features == "offline":
         raise ValueError("lora_r > 0 trains the target, so its features change every step: use features: online")
 

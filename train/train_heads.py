@@ -38,6 +38,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 
 import torch  # noqa: E402
 
+import heads  # noqa: E402
 from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
 from train.data import (  # noqa: E402
     collate,
@@ -45,7 +46,6 @@ from train.data import (  # noqa: E402
     load_rows,
     read_conversations,
     split_samples,
-    token_counts,
     tokenize_conversations,
 )
 from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
@@ -96,8 +96,6 @@ def make_accelerator(config: TrainConfig):
 
 def make_drafter(config: TrainConfig, target, tokenizer, train_set):
     """A fresh drafter for the target (or the saved one in `drafter_init`), checked against it."""
-    import heads
-
     if config.drafter_init:
         drafter = heads.load(config.drafter_init)
         if drafter.kind != config.drafter:
@@ -109,12 +107,9 @@ def make_drafter(config: TrainConfig, target, tokenizer, train_set):
     drafter = heads.build(config.drafter, target, tokenizer=tokenizer, **config.drafter_options)
     # The name the user gave (a short name, hub id or folder), not the folder it resolved to.
     drafter.config.base_model_name_or_path = config.target
-    if drafter.kind == "eagle3":
-        counts = token_counts(train_set, drafter.config.target_vocab_size)
-        drafter.set_vocab_map(*heads.build_vocab_map(counts, drafter.config.draft_vocab_size))
-        drafter.init_from_target(target)
-        drafter.config.training = {**(drafter.config.training or {}),
-                                   "draft_vocab_coverage": round(float(counts[drafter.t2d].sum() / counts.sum()), 4)}
+    prepare = heads.get_kind(drafter.kind).prepare
+    if prepare is not None:
+        prepare(drafter, target, train_set)  # fitted to the training data (e.g. a draft vocabulary)
     return drafter
 
 
@@ -177,7 +172,8 @@ def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict
     objective = accelerator.unwrap_model(objective)
     was_training = objective.training
     objective.eval()
-    steps = objective.drafter.config.num_heads if objective.drafter.kind == "medusa" else config.eval_steps_depth
+    kind = heads.get_kind(objective.drafter.kind)
+    steps = kind.eval_depth(objective.drafter, config)
     stats = StepStats(steps, device=accelerator.device)
     lengths = [len(s.input_ids) for s in eval_set]
     batches = epoch_batches(lengths, config.batch_size, 0, 0, True)
@@ -189,8 +185,7 @@ def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict
         loss_sum += torch.stack([loss.detach().double() * len(indices), torch.tensor(len(indices)).double()])
     packed = accelerator.reduce(torch.cat([stats.tensor(), loss_sum]), reduction="sum")
     stats = StepStats.from_tensor(packed[:-2].cpu())
-    name = "head" if objective.drafter.kind == "medusa" else "step"
-    out = stats.summary(name)
+    out = stats.summary(kind.depth_label)
     out["eval_loss"] = round(float(packed[-2] / packed[-1].clamp(min=1)), 5)
     objective.train(was_training)
     return out
@@ -322,7 +317,7 @@ def save_drafter(config, accelerator, objective, lora_target, result: dict, data
     training.update(data_info)
     training.update({
         "kind": config.drafter, "steps": result["step"], "loss": config.loss, "features": config.features,
-        "ttt_steps": config.ttt_steps if config.drafter != "medusa" else None,
+        "ttt_steps": config.ttt_steps if heads.get_kind(config.drafter).unrolled else None,
         "world_size": accelerator.num_processes, "wall_seconds": result["wall_seconds"],
         "train_config": to_dict(config),
     })
