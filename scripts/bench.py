@@ -9,6 +9,11 @@ question so that every method sees the same machine state:
     <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
 
+Workloads: first turns (default), all turns (`--turns 2`), MT-bench second turns only (`--second-turns`: the
+first turn's reply, part of the prompt, is the target's own greedy one, generated untimed), and repeated
+requests (`--passes 2`: every question asked again after all of them, so a drafter that keeps earlier
+responses, such as `suffix`, can reuse the first pass; each pass gets its own rows in the table).
+
 Per category it reports the mean accepted length tau (new tokens per target forward, the prefill forward
 included; greedy is 1.0 by definition), tokens/s, and speedups over both transformers methods, from the
 median time over `--repeats`. Every greedy output must equal the baseline's token for token; mismatches are
@@ -30,6 +35,7 @@ import platform
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,6 +104,7 @@ class Method:
 
     name: str
     run: Callable[[torch.Tensor, int], tuple[torch.Tensor, dict]]
+    reset: Callable[[], None] | None = None  # forgets what earlier calls left (a suffix drafter's responses)
 
 
 class ForwardCounter:
@@ -137,7 +144,7 @@ def engine_method(target, drafter, name: str, lookup_first: bool = False) -> Met
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
         return out, dict(model.last_stats)
 
-    return Method(name, run)
+    return Method(name, run, reset=getattr(model.drafter, "clear", None))
 
 
 def parse_tree(text: str | None) -> dict:
@@ -216,18 +223,27 @@ def _eos_ids(target, tokenizer) -> set[int]:
 
 def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *, max_new_tokens: int = 128,
               repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True,
-              on_record: Callable[[dict], None] | None = None) -> dict:
+              on_record: Callable[[dict], None] | None = None, timed_from_turn: int = 1,
+              passes: int = 1) -> dict:
     """Time every method on every question (interleaved), check greedy equality, aggregate per category.
 
     `methods[0]` is the reference every other method's output is compared with (the baseline). Later turns
     are rendered with the reference's reply to the earlier ones, as MT-bench does with a model's own answers.
+    Turns before `timed_from_turn` are only answered by the reference, untimed, for that history (questions
+    with fewer turns are left out). With `passes` > 1 the whole question list is run again after itself.
     """
     from tqdm.auto import tqdm
 
     if not methods or methods[0].name != BASELINE:
         raise ValueError(f"methods[0] must be the '{BASELINE}' reference")
-    if repeats < 1 or turns < 1 or max_new_tokens < 1:
-        raise ValueError("repeats, turns and max_new_tokens must all be >= 1")
+    if repeats < 1 or turns < 1 or max_new_tokens < 1 or passes < 1:
+        raise ValueError("repeats, turns, passes and max_new_tokens must all be >= 1")
+    if not 1 <= timed_from_turn <= turns:
+        raise ValueError(f"timed_from_turn must be in 1..turns ({turns}), got {timed_from_turn}")
+    stateful = [m.name for m in methods if m.reset is not None]
+    if repeats > 1 and stateful:
+        warnings.warn(f"{', '.join(stateful)} keep earlier responses: repeats 2..{repeats} of a question see "
+                      "its first answer, so their times are a repeated-request workload's", stacklevel=2)
     eos = _eos_ids(target, tokenizer)
     counter = ForwardCounter(target)
     records, mismatches, history = [], [], {}
@@ -237,10 +253,19 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                 ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
                 for m in tqdm(methods, desc="warm-up", disable=not progress):
                     m.run(ids, min(max_new_tokens, 32))
-            work = [(q, t) for q in questions for t in range(min(turns, len(q["turns"])))]
-            for q, turn in tqdm(work, desc="bench", disable=not progress):
-                messages = history.get(q["question_id"], []) + [{"role": "user", "content": q["turns"][turn]}]
+                    if m.reset is not None:  # the warm-up answer must not help the first question
+                        m.reset()
+            work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn
+                    for t in range(min(turns, len(q["turns"])))]
+            for p, q, turn in tqdm(work, desc="bench", disable=not progress):
+                key = (p, q["question_id"])
+                messages = history.get(key, []) + [{"role": "user", "content": q["turns"][turn]}]
                 ids = render(tokenizer, messages).to(target.device)
+                if turn + 1 < timed_from_turn:  # history only: the reference's reply, untimed
+                    out, _ = methods[0].run(ids, max_new_tokens)
+                    reply = tokenizer.decode(_new_tokens(out, ids.shape[1], eos), skip_special_tokens=True)
+                    history[key] = messages + [{"role": "assistant", "content": reply}]
+                    continue
                 results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
                 for name in results:
                     results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
@@ -249,18 +274,18 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                                            "first_differing_token": _first_difference(outputs[name],
                                                                                       outputs[BASELINE])})
                 records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
-                                "prompt_tokens": ids.shape[1], "results": results})
+                                "pass": p + 1, "prompt_tokens": ids.shape[1], "results": results})
                 if on_record is not None:
                     on_record(records[-1])
                 reply = tokenizer.decode(outputs[BASELINE], skip_special_tokens=True)
-                history[q["question_id"]] = messages + [{"role": "assistant", "content": reply}]
+                history[key] = messages + [{"role": "assistant", "content": reply}]
     finally:
         counter.remove()
     names = [m.name for m in methods]
     return {"methods": names, "questions": records, "mismatches": mismatches,
             "per_category": _aggregate(records, names),
             "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "turns": turns, "batch_size": 1,
-                         "greedy": True, "warmup": warmup}}
+                         "greedy": True, "warmup": warmup, "timed_from_turn": timed_from_turn, "passes": passes}}
 
 
 def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[dict, dict]:
@@ -306,6 +331,9 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
     groups: dict[str, list[dict]] = {}
     for rec in records:
         groups.setdefault(rec["category"], []).append(rec)
+    if any(rec.get("pass", 1) > 1 for rec in records):  # the repeated workload: each pass on its own
+        for rec in records:
+            groups.setdefault(f"pass {rec['pass']}", []).append(rec)
     groups["overall"] = records
     table = {}
     for cat, recs in groups.items():
@@ -349,6 +377,10 @@ def to_markdown(result: dict) -> str:
     s = result["settings"]
     foot = (f"\n{len(result['questions'])} generations, batch 1, greedy, max {s['max_new_tokens']} new tokens, "
             f"median of {s['repeats']} repeat(s)")
+    if s.get("timed_from_turn", 1) > 1:
+        foot += f", turn {s['timed_from_turn']} onwards timed (earlier turns answered by the baseline, untimed)"
+    if s.get("passes", 1) > 1:
+        foot += f", {s['passes']} passes over the questions (each question asked again after all of them)"
     if env:
         foot += f"; {env.get('cpu')}, {env.get('torch_threads')} torch threads, {env.get('dtype')}"
         if env.get("memory_floor_ms"):
@@ -486,6 +518,11 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")
     parser.add_argument("--turns", type=int, default=1, help="how many turns of each question to run")
+    parser.add_argument("--second-turns", action="store_true",
+                        help="MT-bench second turns only: the first turn is answered by the baseline (untimed) "
+                             "and is part of the timed second turn's prompt")
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run the question list this many times in a row; 2 = the repeated-request workload")
     parser.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
     parser.add_argument("--categories", nargs="*", default=None)
     parser.add_argument("--per-category", type=int, default=0, help="first N questions of each category (0 = all)")
@@ -526,8 +563,10 @@ def main(argv=None) -> int:
         with open(partial, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    turns, timed_from = (max(args.turns, 2), 2) if args.second_turns else (args.turns, 1)
     result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
-                       repeats=args.repeats, turns=args.turns, on_record=keep)
+                       repeats=args.repeats, turns=turns, on_record=keep, timed_from_turn=timed_from,
+                       passes=args.passes)
     result["environment"] = environment(target, torch.get_num_threads())
     result["environment"]["load_average_before"] = load_before
     result["environment"].update(memory_floor(target))

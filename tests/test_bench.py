@@ -182,3 +182,27 @@ def test_saved_drafter_with_tree_override(questions_file, tmp_path):
         bench.load_drafter(str(tmp_path / "eagle"), target, {"width": 3})
     with pytest.raises(ValueError, match="key=value"):
         bench.parse_tree("depth")
+
+
+def test_second_turns_and_repeated_workloads(questions_file):
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    questions = bench.load_questions(questions_file)
+    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, "suffix", "suffix")]
+    second = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=10, turns=2, timed_from_turn=2,
+                             progress=False)
+    # only question 1 has a second turn; its first turn is history, not a record
+    assert [(r["question_id"], r["turn"]) for r in second["questions"]] == [(1, 2)]
+    both = bench.run_bench(target, tokenizer, questions, methods[:1], max_new_tokens=10, turns=2, progress=False)
+    assert second["questions"][0]["prompt_tokens"] == both["questions"][1]["prompt_tokens"]  # same history
+
+    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, "suffix", "suffix")]
+    repeated = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=12, passes=2, progress=False)
+    assert [(r["pass"], r["question_id"]) for r in repeated["questions"]] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert repeated["mismatches"] == []
+    table = repeated["per_category"]
+    assert {"pass 1", "pass 2", "overall"} <= set(table)
+    # the second pass drafts the first pass's answers (the warm-up's answer was forgotten)
+    assert table["pass 2"]["suffix"]["tau"] > table["pass 1"]["suffix"]["tau"]
+    assert "2 passes over the questions" in bench.to_markdown(repeated)
+    with pytest.raises(ValueError, match="timed_from_turn"):
+        bench.run_bench(target, tokenizer, questions, methods, turns=1, timed_from_turn=2, progress=False)

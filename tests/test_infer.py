@@ -43,6 +43,8 @@ DRAFTERS = {
     "int8": lambda target: "int8",
     "early_exit": lambda target: "early_exit:2",
     "staged": lambda target: "staged:bf16+ngram",
+    "suffix": lambda target: "suffix",
+    "suffix_fallback": lambda target: "suffix:early_exit:2",  # early exit where the suffix match is short
 }
 
 

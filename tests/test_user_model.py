@@ -27,6 +27,7 @@ DRAFTERS = {
     "early_exit": lambda t: "early_exit:2",
     "staged": lambda t: "staged:bf16+ngram",
     "lookup_first": lambda t: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(t)), min_match=1),
+    "suffix": lambda t: "suffix:early_exit:2",
 }
 
 

@@ -15,6 +15,7 @@ from . import gguf, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
+from .suffix import from_spec as suffix_from_spec
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ register("early_exit", self_draft.early_exit, "early_exit:<layers>",
          "the target's own first <layers> layers, final norm and LM head; no extra weights")
 register("staged", staged.from_spec, "staged:<drafter>+ngram",
          "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
+register("suffix", suffix_from_spec, "suffix[:<drafter>]",
+         "no model: suffix matches in the request and earlier responses (repeated requests); <drafter> elsewhere")
 
 
 def known() -> str:
