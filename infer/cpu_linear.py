@@ -93,3 +93,61 @@ def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None,
     finally:
         for layer in layers:
             del layer.forward
+
+
+INT4_GROUP = 32  # inputs per (scale, offset) pair; the smallest group torch's CPU int4 kernel takes
+
+
+def int4_fits(weight: torch.Tensor) -> bool:
+    """Whether torch's CPU int4 kernel takes a [out, in] weight (outputs by 16, inputs by the group)."""
+    out_features, in_features = weight.shape
+    return out_features % 16 == 0 and in_features % INT4_GROUP == 0
+
+
+class Int4Linear(nn.Module):
+    """A linear layer whose weight is held as 4-bit integers, run by torch's CPU int4 kernel.
+
+    Each group of 32 inputs of an output row has its own scale and offset (w = q * scale + min, q in
+    0..15): asymmetric, so a weight that was dequantized from a 4-bit GGUF format with the same groups
+    (Q4_0, Q4_1) is held again exactly up to the bfloat16 rounding of the scale and offset. The kernel
+    takes bfloat16 activations; the output comes back in the input's dtype. A quarter of bf16's bytes
+    per weight, which is what a one-row decode step reads.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        if not int4_fits(weight):
+            raise ValueError(f"int4 needs out_features divisible by 16 and in_features by {INT4_GROUP}; "
+                             f"got {tuple(weight.shape)}")
+        weight = weight.detach().float()
+        out_features, in_features = weight.shape
+        # weight: [N, K] -> groups: [N, K / G, G]
+        groups = weight.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), persistent=False)
+        # the kernel computes (q - 8) * scale + offset, so offset = min + 8 * scale; layout [K / G, N, 2]
+        scales_offsets = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+        self.register_buffer("scales_offsets", scales_offsets.to(torch.bfloat16), persistent=False)
+        self.bias = None if bias is None else bias.detach().clone()
+        self.out_features = out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [..., K] -> [..., N]
+        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_offsets)
+        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(x.dtype)
+
+
+class BF16Linear(nn.Module):
+    """A linear layer with a bfloat16 copy of a [out, in] weight; the output comes back in the input's dtype."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        self.weight = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.bfloat16), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.to(torch.bfloat16), self.weight, self.bias).to(x.dtype)

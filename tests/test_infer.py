@@ -42,6 +42,9 @@ DRAFTERS = {
     "bf16": lambda target: "bf16",
     "int8": lambda target: "int8",
     "early_exit": lambda target: "early_exit:2",
+    "int4": lambda target: "int4",
+    "layerskip": lambda target: "layerskip",  # skip count searched per request
+    "layerskip_fixed": lambda target: "layerskip:0.5",
     "staged": lambda target: "staged:bf16+ngram",
     "suffix": lambda target: "suffix",
     "suffix_fallback": lambda target: "suffix:early_exit:2",  # early exit where the suffix match is short

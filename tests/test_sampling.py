@@ -116,13 +116,15 @@ def drafters(target):
         # the target's own weights: a quantized copy and its first layer, drafting real distributions
         "int8": "int8",
         "early_exit": "early_exit:1",
+        "int4": "int4",
+        "layerskip": "layerskip",
         # suffix matches in the prompt (one-hot trees), mixed row by row with early exit's sampled drafts
         "suffix": "suffix",
         "suffix_fallback": "suffix:early_exit:1",
     }
 
 
-@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first", "int8", "early_exit", "suffix",
+@pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first", "int8", "early_exit", "int4", "layerskip", "suffix",
                                   "suffix_fallback"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)])
 def test_sampling_matches_target_distribution(target, kind, temperature, top_k, top_p):

@@ -25,6 +25,8 @@ DRAFTERS = {
     "bf16": lambda t: "bf16",
     "int8": lambda t: "int8",
     "early_exit": lambda t: "early_exit:2",
+    "int4": lambda t: "int4",
+    "layerskip": lambda t: "layerskip",
     "staged": lambda t: "staged:bf16+ngram",
     "lookup_first": lambda t: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(t)), min_match=1),
     "suffix": lambda t: "suffix:early_exit:2",

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..drafting import Drafter
-from . import gguf, self_draft, staged
+from . import gguf, layer_skip, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
@@ -40,9 +40,13 @@ register("gguf", gguf.from_spec, "gguf[:<file.gguf>]",
          "a GGUF quantization of the target run by llama.cpp (default: the embedded target's own file)")
 register("int8", self_draft.int8, "int8",
          "a copy of the target with int8 weight-only linears, drafting in torch")
+register("int4", self_draft.int4, "int4",
+         "the target's layers held in 4 bits (torch's CPU int4 kernel), bf16 LM head; the fastest torch drafter")
 register("bf16", self_draft.bf16, "bf16", "a bfloat16 copy of the target, drafting in torch")
 register("early_exit", self_draft.early_exit, "early_exit:<layers>",
          "the target's own first <layers> layers, final norm and LM head; no extra weights")
+register("layerskip", layer_skip.from_spec, "layerskip[:<fraction>]",
+         "the target minus the layers it can spare, chosen per request from agreement; no extra weights")
 register("staged", staged.from_spec, "staged:<drafter>+ngram",
          "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
 register("suffix", suffix_from_spec, "suffix[:<drafter>]",
