@@ -25,6 +25,10 @@ class TargetStep:
     positions: torch.Tensor  # [B, A] position ids of those tokens
     hidden: tuple[torch.Tensor, ...]  # one [B, A, D] per index in the drafter's `feature_layers`
     next_tokens: torch.Tensor  # [B] the target's token after each row's last valid slot: the next root
+    # The target's raw logits for the proposed tree's `scored` nodes ([B, E, V]; None if it had none) and
+    # which of them were scored as proposed ([B, E]; a node pruned by the budget or a row-mixing wrapper is not).
+    scored_logits: torch.Tensor | None = None
+    scored_valid: torch.Tensor | None = None
 
     def following_tokens(self) -> torch.Tensor:
         """[B, A]: for every slot, the token that follows it (the next slot's, or `next_tokens` at the end)."""

@@ -4,7 +4,8 @@ The loop (Stern et al. 2018; Leviathan et al. 2023; Cai et al. 2024 for trees):
 
     1. prefill the prompt; the target picks the first new token (the first root)
     2. the drafter proposes a tree below the root
-    3. ONE target forward scores every tree node (4D tree attention mask, explicit positions)
+    3. ONE target forward scores every tree node (4D tree attention mask, explicit positions), plus any
+       scored nodes the drafter adds for itself (never accepted, never seen by the tree)
     4. acceptance keeps the longest valid path plus one token from the target (the bonus)
     5. the kept path's KV entries are gathered into place; everything else is dropped
     6. the drafter observes what was committed; repeat from 2 until every row is done
@@ -313,9 +314,12 @@ class SelfSpecModel:
         """emitted: [B] new tokens each row has emitted so far, the root included."""
         depth, ancestors = tree.depth_and_ancestors()
         start = kv.size
-        out = forward_block(self.target, kv, depth, ancestors, tree.valid, input_ids=tree.tokens,
+        # Scored nodes (if any) ride after the tree nodes; the tree never attends to them.
+        tokens, offsets, attend, valid = tree.verify_block(depth, ancestors)
+        out = forward_block(self.target, kv, offsets, attend, valid, input_ids=tokens,
                             output_hidden_states=bool(self.drafter.feature_layers))
-        logits = self._constrain(out.logits, emitted[:, None] + depth, settings)
+        n = tree.num_nodes
+        logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
         elif settings.sampling.do_sample:
@@ -323,10 +327,12 @@ class SelfSpecModel:
         else:
             acc = accept_greedy(tree, logits, ancestors, depth)
         keep = acc.keep
-        kv.commit(start, acc.path, keep)
+        kv.commit(start, acc.path, keep)  # scored nodes' slots lie past the path: dropped with the rejected
         hidden = tuple(h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1])) for h in self._features(out))
         step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
                           positions=kv.pos[:, start:], hidden=hidden, next_tokens=acc.bonus)
+        if tree.scored is not None:
+            step.scored_logits, step.scored_valid = out.logits[:, n:], tree.scored.valid
         return step, acc
 
     def _features(self, out) -> tuple[torch.Tensor, ...]:

@@ -14,6 +14,7 @@ from infer import DraftModelDrafter, DraftTree, LookupFirstDrafter, SelfSpecMode
 from infer.drafters import NgramDrafter
 from infer.drafters.staged import StagedDrafter
 from infer.drafting import Drafter, TargetStep
+from infer.tree import ScoredNodes
 
 
 def left_pad(seqs: list[list[int]], pad: int = 0):
@@ -367,3 +368,154 @@ def test_eager_attention_too(arch_name):
     expected = target.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
     got = SelfSpecModel(target, perturbed_copy(target)).generate(ids, attention_mask=mask, max_new_tokens=12)
     assert torch.equal(got, expected)
+
+
+# ------------------------------------------------------------------ scored nodes (never accepted)
+class WithScored(Drafter):
+    """Another drafter's trees plus scored nodes: `make(tree, context, gen)` returns (tokens, offsets,
+    attend, valid) for them, or None for none. Records every step's scored logits with what they saw."""
+
+    def __init__(self, inner: Drafter, make):
+        self.inner, self.make = inner, make
+        self.feature_layers = inner.feature_layers
+
+    def bind(self, target, sampling, batch_size, generator=None):
+        super().bind(target, sampling, batch_size, generator)
+        self.inner.bind(target, sampling, batch_size, generator)
+        self.gen = torch.Generator().manual_seed(0)
+        self.context = [[] for _ in range(batch_size)]
+        self.sizes, self.records, self.last = [], [], None
+
+    def observe(self, step: TargetStep) -> None:
+        if step.scored_logits is not None:
+            self.records.append((self.last, [list(c) for c in self.context], step.scored_logits.clone(),
+                                 step.scored_valid.clone()))
+        for b, ctx in enumerate(self.context):
+            ctx.extend(step.tokens[b][step.valid[b]].tolist())
+        self.inner.observe(step)
+
+    def propose(self, budget):
+        tree = self.inner.propose(budget)
+        self.sizes.append(tree.num_nodes)
+        made = self.make(tree, self.gen)
+        if made is None:
+            return tree
+        tree = DraftTree(tree.tokens, tree.parents, tree.valid, tree.q, ScoredNodes(*made))
+        self.last = tree
+        return tree
+
+    def select_rows(self, rows):
+        self.inner.select_rows(rows)
+        self.context = [self.context[int(r)] for r in rows]
+
+
+def random_scored(count: int):
+    """Random tokens, offsets and attention rows (not a tree), some nodes invalid."""
+
+    def make(tree, gen):
+        b, n = tree.tokens.shape
+        tokens = torch.randint(0, VOCAB, (b, count), generator=gen)
+        offsets = torch.randint(0, 8, (b, count), generator=gen)
+        attend = torch.rand(b, count, n + count, generator=gen) < 0.5
+        valid = torch.rand(b, count, generator=gen) < 0.8
+        return tokens, offsets, attend, valid
+
+    return make
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_scored_nodes_change_neither_output_nor_tree_logits(arch, batch):
+    """Random scored nodes in every verify forward: output still equals target.generate, and the tree
+    nodes' logits are those of the same run without them."""
+    target = tiny_model(arch)
+    ids, mask = left_pad(prompts(batch))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=20, do_sample=False)
+    draft = perturbed_copy(target)
+    logits = {}
+    for count in (0, 7):
+        drafter = WithScored(DraftModelDrafter(draft), random_scored(count) if count else lambda t, g: None)
+        seen = []
+        hook = target.register_forward_hook(lambda m, a, out, seen=seen: seen.append(out.logits.clone()))
+        got = SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=20)
+        hook.remove()
+        assert torch.equal(got, expected)
+        # seen[0] is the prefill; then one forward per proposed tree, its first N positions the tree nodes
+        logits[count] = [out[:, :n] for out, n in zip(seen[1:], drafter.sizes, strict=True)]
+        if count:
+            assert drafter.records and all(r[2].shape[1] == count for r in drafter.records)
+    assert len(logits[0]) == len(logits[7])
+    for plain, scored in zip(logits[0], logits[7], strict=True):
+        torch.testing.assert_close(scored, plain, atol=1e-4, rtol=1e-4)
+
+
+# Scored node k sees the root and the scored nodes SEES[k] (itself last), at offsets OFFSETS: a chain of
+# three after the root, a sibling of its second node, and one that sees the chain's first node from five
+# positions ahead of the root (a gap).
+SEES = [[0], [0, 1], [0, 1, 2], [0, 3], [0, 4]]
+OFFSETS = [1, 2, 3, 2, 5]
+
+
+def chain_and_sibling(tree, gen):
+    b, n = tree.tokens.shape
+    tokens = torch.randint(3, VOCAB, (b, 5), generator=gen)
+    attend = torch.zeros(b, 5, n + 5, dtype=torch.bool)
+    attend[:, :, 0] = True  # the root
+    for k, seen in enumerate(SEES):
+        attend[:, k, [n + j for j in seen]] = True
+    return tokens, torch.tensor(OFFSETS).expand(b, 5), attend, torch.ones(b, 5, dtype=torch.bool)
+
+
+@pytest.mark.parametrize("arch_name", ["llama", "gpt2", "gemma2"])
+def test_scored_logits_are_the_targets_for_what_each_node_sees(arch_name):
+    """Each scored node's logits are the target's own after the committed context, the root and the nodes
+    its row names, at the positions given (rows of a padded batch as if alone)."""
+    target = tiny_model(arch_name)
+    ids, mask = left_pad(prompts(3))
+    window = getattr(target.config, "sliding_window", None) or float("inf")
+    drafter = WithScored(NgramDrafter(), chain_and_sibling)
+    SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=12)
+    assert len(drafter.records) >= 3
+    for tree, context, scored_logits, scored_valid in drafter.records[:3]:
+        assert scored_valid.all()
+        for b, ctx in enumerate(context):
+            for k, seen in enumerate(SEES):
+                seq = ctx + [int(tree.tokens[b, 0])] + [int(tree.scored.tokens[b, j]) for j in seen]
+                pos = list(range(len(ctx) + 1)) + [len(ctx) + OFFSETS[j] for j in seen]
+                if pos[-1] >= window and pos[-1] != len(pos) - 1:
+                    continue  # transformers' reference windows by index, the engine by position: a gap differs
+                with torch.no_grad():
+                    ref = target(torch.tensor([seq]), position_ids=torch.tensor([pos])).logits[0, -1]
+                torch.testing.assert_close(scored_logits[b, k], ref, atol=1e-4, rtol=1e-4)
+
+
+def test_scored_nodes_past_the_budget_are_invalid():
+    # learned absolute positions: a scored node placed past the 40-position context would fail
+    target = tiny_model("gpt2", n_positions=40)
+    ids = torch.tensor([prompts(1)[0]])
+    far = lambda tree, gen: (torch.full((1, 2), 5), torch.tensor([[1, 20]]),  # noqa: E731
+                             torch.ones(1, 2, tree.num_nodes + 2, dtype=torch.bool), torch.ones(1, 2, dtype=torch.bool))
+    drafter = WithScored(NgramDrafter(), far)
+    expected = target.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(SelfSpecModel(target, drafter).generate(ids, max_new_tokens=30, eos_token_id=[]), expected)
+    valid = [r[3][0].tolist() for r in drafter.records]
+    assert valid[0] == [True, True] and [True, False] in valid  # 20 ahead fits early on only
+
+
+def test_scored_nodes_through_lookup_first():
+    """Rows that take the lookup chain keep the primary's scored nodes only where those see no tree node
+    but the shared root; output stays exact."""
+    target = tiny_model("llama")
+    ids, mask = left_pad(prompts(3))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    for make in (random_scored(6), chain_and_sibling):
+        primary = WithScored(DraftModelDrafter(perturbed_copy(target)), make)
+        got = SelfSpecModel(target, LookupFirstDrafter(primary, min_match=1)).generate(
+            ids, attention_mask=mask, max_new_tokens=40)
+        assert torch.equal(got, expected)
+        early = primary.records[:4]  # the budget (>= 19) prunes none of them yet
+        valid = torch.cat([r[3] for r in early])
+        proposed = torch.cat([r[0].scored.valid for r in early])
+        sees_tree = torch.cat([r[0].scored.attend[..., 1:r[0].num_nodes].any(-1) for r in early])
+        assert torch.equal(valid[~sees_tree], proposed[~sees_tree]) and not (valid & ~proposed).any()
+        if make is not chain_and_sibling:
+            assert (proposed & sees_tree & ~valid).any()  # some row took the chain

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..drafting import Drafter, TargetStep
-from ..tree import DraftTree
+from ..tree import DraftTree, ScoredNodes
 from .ngram import NgramDrafter
 
 
@@ -74,4 +74,30 @@ def _pick_rows(take_a: torch.Tensor, a: DraftTree, b: DraftTree) -> DraftTree:
     wa, wb = widened(a, vocab), widened(b, vocab)
     pick = [torch.where(take_a.view(-1, *[1] * (x.dim() - 1)), x, y) if x is not None else None
             for x, y in zip(wa, wb, strict=True)]
-    return DraftTree(*pick)
+    return DraftTree(*pick, scored=_pick_scored(take_a, a, b, n))
+
+
+def _pick_scored(take_a: torch.Tensor, a: DraftTree, b: DraftTree, n: int) -> ScoredNodes | None:
+    """The scored nodes of each row's chosen tree, attend columns widened to `n` tree nodes. A row whose
+    chosen tree has none keeps the other tree's where they see no tree node but the root (the two trees
+    share it); elsewhere they are invalid, and the drafter sees `scored_valid` False."""
+    if a.scored is None and b.scored is None:
+        return None
+    e = max(t.scored.num_nodes for t in (a, b) if t.scored is not None)
+
+    def widened(t: DraftTree, own: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        # own: [B] rows that chose t
+        s, pad = t.scored, e - t.scored.num_nodes
+        tree_cols, node_cols = s.attend[..., :t.num_nodes], s.attend[..., t.num_nodes:]
+        attend = torch.cat([F.pad(tree_cols, (0, n - t.num_nodes)), F.pad(node_cols, (0, pad))], dim=2)
+        attend = F.pad(attend, (0, 0, 0, pad))
+        root_only = ~tree_cols[..., 1:].any(-1)  # [B, E]
+        valid = F.pad(s.valid & (own[:, None] | root_only), (0, pad), value=False)
+        return F.pad(s.tokens, (0, pad)), F.pad(s.offsets, (0, pad)), attend, valid
+
+    sa = widened(a, take_a) if a.scored is not None else None
+    sb = widened(b, ~take_a) if b.scored is not None else None
+    if sa is None or sb is None:
+        return ScoredNodes(*(sa or sb))
+    return ScoredNodes(*(torch.where(take_a.view(-1, *[1] * (x.dim() - 1)), x, y)
+                         for x, y in zip(sa, sb, strict=True)))
