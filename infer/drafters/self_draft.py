@@ -2,13 +2,14 @@
 
 - `bf16`: a bfloat16 copy of the whole target. Decoding reads every weight once per token, so half the
   bytes is up to half the time where the matrix-vector products dominate.
-- `int8`: a copy whose linear weights are int8 per output channel (weight-only: activations stay in the
-  target's precision, which keeps agreement high; quantizing activations too drops it, see
-  docs/benchmarks.md). The kernels are torchao's.
+- `int8`: linear weights int8 per output channel, weight-only (activations are not quantized: quantizing
+  them too drops agreement, see docs/benchmarks.md). On CPU: torch's int8 kernel with bf16 activations,
+  the target's norms and embedding shared, not copied (torchao's CPU int8 path is slower than fp32 on
+  AVX2); elsewhere a copy quantized by torchao.
 - `int4`: the target's own norms and embedding (shared, not copied) with every decoder-layer linear held
-  as 4-bit integers in groups of 32 (torch's CPU int4 kernel) and a bfloat16 LM head. An eighth of fp32's
-  bytes per layer weight; CPU only. The LM head stays bf16 because it is the one weight whose rounding
-  moves the argmax most (SmolLM2: 91.7% agreement with an int4 head, 97.7% with bf16).
+  as 4-bit integers in groups of 32 (torch's CPU int4 kernel) and an int8 LM head. An eighth of fp32's
+  bytes per layer weight; CPU only. The LM head stays in 8 bits because it is the one weight whose
+  rounding moves the argmax most (SmolLM2: 91.7% agreement with an int4 head, 98.0% with int8).
 - `early_exit:<k>`: the target's first k decoder layers, its final norm and LM head (LayerSkip, Elhoushi
   et al. 2024; transformers' `assistant_early_exit`). No weights are copied: the shallow model is built
   on the meta device and takes the target's own tensors.
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..cpu_linear import BF16Linear, Int4Linear, int4_fits
+from ..cpu_linear import Int4Linear, Int8Linear, int4_fits
 from .draft_model import DraftModelDrafter
 
 MAX_TOKENS = 8
@@ -46,11 +47,14 @@ def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
 def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
+    if _device(target).type == "cpu":  # torch's own int8 kernel: torchao's CPU path is slower than fp32 here
+        return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
+                                 adaptive=True)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as err:
-        raise ImportError("the 'int8' drafter quantizes with torchao, which is not installed; install it "
-                          "with: pip install torchao") from err
+        raise ImportError("the 'int8' drafter quantizes with torchao off the CPU, which is not installed; "
+                          "install it with: pip install torchao") from err
     draft = _copy_of(target)
     quantize_(draft, Int8WeightOnlyConfig())
     return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
@@ -59,13 +63,29 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
 def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int4' takes no argument, got {arg!r}")
-    device = next(target.parameters()).device
-    if device.type != "cpu":
-        raise ValueError(f"'int4' runs torch's CPU int4 kernel, but the target is on {device}; use 'bf16' or "
-                         "'gguf' there")
+    if _device(target).type != "cpu":
+        raise ValueError(f"'int4' runs torch's CPU int4 kernel, but the target is on {_device(target)}; use "
+                         "'int8', 'bf16' or 'gguf' there")
+
+    def layer(weight, bias, head):
+        return Int4Linear(weight, bias) if not head and int4_fits(weight) else Int8Linear(weight, bias)
+
+    draft = _low_bit(target, layer)
+    if not any(isinstance(m, Int4Linear) for m in draft.modules()):
+        raise ValueError(f"no linear layer of {type(target).__name__} has a shape torch's CPU int4 kernel takes "
+                         "(out_features by 16, in_features by 32); use 'int8'")
+    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
+
+
+def _device(model) -> torch.device:
+    return next(model.parameters()).device
+
+
+def _low_bit(target, make) -> nn.Module:
+    """The target's own modules and tensors (shared, not copied) with every linear layer replaced by
+    `make(weight [out, in], bias, is_lm_head)`; the target's modules are not touched."""
     draft = shallow_model(target, list(range(_layer_count(target))))
     head = draft.get_output_embeddings()
-    replaced = 0
     for module in list(draft.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear:
@@ -74,15 +94,8 @@ def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
                 weight = child.weight.t()
             else:
                 continue
-            if child is not head and int4_fits(weight):
-                setattr(module, name, Int4Linear(weight, child.bias))
-                replaced += 1
-            else:
-                setattr(module, name, BF16Linear(weight, child.bias))
-    if not replaced:
-        raise ValueError(f"no linear layer of {type(target).__name__} has a shape torch's CPU int4 kernel takes "
-                         "(out_features by 16, in_features by 32); use 'bf16'")
-    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
+            setattr(module, name, make(weight, child.bias, child is head))
+    return draft
 
 
 def early_exit(arg, target, tokenizer=None) -> DraftModelDrafter:
