@@ -1,4 +1,4 @@
-"""Drafter kinds for self-speculative decoding: Medusa heads, EAGLE-1/2 and EAGLE-3 drafters.
+"""Drafter kinds for self-speculative decoding: Medusa heads, EAGLE-1/2 and EAGLE-3 drafters, DFlash block drafters.
 
     import heads
     drafter = heads.build("eagle", target.config)   # or heads.build("eagle", target) to init from weights
@@ -22,6 +22,8 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from . import export
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
+from .dflash import DFlashConfig, DFlashModel
+from .dflash import objective as dflash_objective
 from .eagle import EagleConfig, EagleModel
 from .eagle import objective as eagle_objective
 from .eagle3 import Eagle3Config, Eagle3Model, build_vocab_map
@@ -44,6 +46,10 @@ register(Kind(
     name="eagle3", title="EAGLE-3 drafter", config_cls=Eagle3Config, model_cls=Eagle3Model,
     objective=eagle3_objective.Eagle3Objective, eval_depth=eagle_objective.eval_depth, depth_label="step",
     unrolled=True, prepare=eagle3_objective.prepare, exports=(export.SPECULATORS,),
+))
+register(Kind(
+    name="dflash", title="DFlash block drafter", config_cls=DFlashConfig, model_cls=DFlashModel,
+    objective=dflash_objective.DFlashObjective, eval_depth=dflash_objective.eval_depth, depth_label="pos",
 ))
 
 
@@ -127,5 +133,5 @@ def _check_finite(model: DrafterModel, source) -> DrafterModel:
 __all__ = [
     "REGISTRY", "Kind", "ExportFormat", "register", "get_kind", "build", "load", "tokenizer_fingerprint", "build_vocab_map",
     "DrafterConfig", "DrafterModel", "MedusaConfig", "MedusaModel", "EagleConfig", "EagleModel",
-    "Eagle3Config", "Eagle3Model",
+    "Eagle3Config", "Eagle3Model", "DFlashConfig", "DFlashModel",
 ]

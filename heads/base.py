@@ -133,6 +133,7 @@ class DrafterModel(PreTrainedModel):
         ]:
             if expected is not None and expected != actual:
                 problems.append(f"{field}: drafter built for {expected!r}, target has {actual!r}")
+        problems += self.target_problems(config)
         if tokenizer is not None and c.tokenizer_fingerprint is not None:
             actual = tokenizer_fingerprint(tokenizer)
             if actual != c.tokenizer_fingerprint:
@@ -145,6 +146,11 @@ class DrafterModel(PreTrainedModel):
                 + "\nUse the target the drafter was trained for, or build/train a new drafter for this target "
                 "(heads.build(kind, target.config))."
             )
+
+    def target_problems(self, config: PretrainedConfig) -> list[str]:
+        """Ways a target with text config `config` cannot serve this drafter beyond the fields every kind
+        records (e.g. feature layers it does not have); each a line of `check_target`'s error."""
+        return []
 
     def attach(self, target, tokenizer=None) -> DrafterModel:
         """Validate `target`, then bind its frozen input embeddings and lm_head by reference (not saved)."""

@@ -24,7 +24,7 @@ from infer.drafting import TargetStep
 from infer.engine import SelfSpecModel
 from infer.sampling import SamplingParams
 
-KINDS = ["medusa", "eagle", "eagle3"]
+KINDS = ["medusa", "eagle", "eagle3", "dflash"]
 ARCHS = list(ARCHITECTURES)
 CASES = [(kind, arch) for kind in KINDS for arch in ARCHS]
 WIDEN_ARCHS = ["llama", "qwen2", "qwen3", "mistral"]  # Llama-layout layers: EAGLE-3's paper layout
@@ -56,10 +56,13 @@ def features(target, drafter, ids, mask=None):
 
 
 def run(drafter, target, ids):
-    """The drafter's outputs on a prompt (logits for Medusa; (hidden, logits) for EAGLE kinds)."""
+    """The drafter's outputs on a prompt (logits for Medusa; (hidden, logits) for EAGLE kinds and for DFlash,
+    whose block is anchored at the prompt's last token)."""
     _, feats = features(target, drafter, ids)
     if drafter.kind == "medusa":
         return drafter(feats[0])
+    if drafter.kind == "dflash":
+        return drafter(drafter.fuse_features(feats)[:, :-1], ids[:, -1:])
     return drafter(ids, drafter.fuse_features(feats))
 
 
@@ -71,8 +74,8 @@ def assert_same(a, b):
 # ---- registry and build -------------------------------------------------------------------------------------
 
 
-def test_registry_lists_the_three_kinds():
-    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3"]
+def test_registry_lists_the_kinds():
+    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3", "dflash"]
     for name, kind in heads.REGISTRY.items():
         assert kind.name == name == kind.model_cls.kind and kind.model_cls.config_class is kind.config_cls
     assert heads.get_kind("eagle3") is heads.REGISTRY["eagle3"]
@@ -92,7 +95,7 @@ def test_register_refuses_duplicates_and_mismatches():
         heads.register(dataclasses.replace(medusa, name="other", config_cls=OtherConfig))
     with pytest.raises(TypeError, match="heads.Kind"):
         heads.register(("medusa", heads.MedusaConfig, heads.MedusaModel))
-    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3"]
+    assert list(heads.REGISTRY) == ["medusa", "eagle", "eagle3", "dflash"]
 
 
 def _kind_literals(path) -> list[str]:
@@ -148,6 +151,10 @@ def test_forward_shapes(kind, arch):
     if kind == "medusa":
         assert drafter.feature_layers == (L,)
         assert out.shape == (4, 2, 5, V)
+    elif kind == "dflash":  # 4 context slots, then one block of 16: the last token and 15 drafts
+        hidden, logits = out
+        assert hidden.shape == (2, 4 + 16, D) and logits.shape == (2, 1, 15, V)
+        assert drafter.feature_layers == (1, 2, 3)
     else:
         hidden, logits = out
         assert hidden.shape == (2, 5, D)
@@ -502,6 +509,9 @@ TREE_CASES = [
     ("eagle", "gpt_neox", {"mode": "static"}, 6, 31),
     ("eagle3", "qwen2", {}, 6, 49),
     ("eagle3", "phi3", {"mode": "static", "paths": [[0], [1], [0, 0], [1, 0], [0, 0, 0]]}, 3, 6),
+    ("dflash", "llama", {"depth": 8}, 8, 9),  # a chain
+    ("dflash", "gemma2", {"top_k": 3, "depth": 5, "total_tokens": 10}, 5, 11),
+    ("dflash", "gpt2", {"top_k": 2, "depth": 4}, 4, 15),
 ]
 
 
@@ -530,11 +540,13 @@ def test_propose_builds_valid_trees(kind, arch, tree, max_depth, max_nodes):
 # ---- end to end through the engine ------------------------------------------------------------------------------
 
 
-E2E_CASES = CASES + [("eagle", "llama", {"mode": "static"}), ("eagle3", "gemma2", {"mode": "static"})]
+E2E_CASES = CASES + [("eagle", "llama", {"mode": "static"}), ("eagle3", "gemma2", {"mode": "static"}),
+                     ("dflash", "gpt2", {"top_k": 3}), ("dflash", "qwen3", {"top_k": 2, "total_tokens": 8})]
 
 
 @pytest.mark.parametrize("batch", [1, 2])
-@pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: "-".join(map(str, c[:2])) + ("-static" if len(c) > 2 else ""))
+@pytest.mark.parametrize("case", E2E_CASES, ids=lambda c: "-".join(map(str, c[:2])) + "".join(
+    f"-{k}={v}" for k, v in (c[2] if len(c) > 2 else {}).items()))
 def test_speculative_greedy_equals_target_generate(case, batch):
     kind, arch = case[:2]
     tree = case[2] if len(case) > 2 else {}
@@ -550,7 +562,7 @@ def test_speculative_greedy_equals_target_generate(case, batch):
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle", "eagle3"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_lookup_first_with_a_trained_kind_stays_exact(kind):
     """Rows switch between prompt-lookup chains and the drafter's tree from step to step."""
     target = target_for("llama")

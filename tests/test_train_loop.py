@@ -55,6 +55,8 @@ def mean_loss(history, part):
     ("eagle", "both", {"ttt_steps": 2, "feature_noise": 0.05}),
     ("eagle3", "hard", {"ttt_steps": 3, "drafter_options": {"draft_vocab_size": 48}}),
     ("eagle3", "soft", {"ttt_steps": 2}),
+    ("dflash", "hard", {"drafter_options": {"block_size": 4, "anchors_per_sample": 8}}),
+    ("dflash", "both", {"drafter_options": {"block_size": 6, "num_layers": 1, "feature_layers": [2, 4]}}),
 ])
 def test_loss_goes_down_and_drafter_is_saved(workspace, kind, loss, extra):
     result = run(workspace, f"{kind}_{loss}", drafter=kind, loss=loss, max_steps=30, **extra)
@@ -67,7 +69,7 @@ def test_loss_goes_down_and_drafter_is_saved(workspace, kind, loss, extra):
     assert drafter.config.training["steps"] == 30 and drafter.config.training["loss"] == loss
     metrics = drafter.config.metrics
     assert 1.0 <= metrics["est_accept_len"] and "estimated" in metrics["note"]
-    name = "head" if kind == "medusa" else "step"
+    name = heads.get_kind(kind).depth_label
     assert 0.0 <= metrics[f"{name}0/top1"] <= metrics[f"{name}0/top3"] <= 1.0
 
 
@@ -91,6 +93,7 @@ def _weights(result):
 @pytest.mark.parametrize("kind, extra", [
     ("eagle3", {"ttt_steps": 2, "grad_accum": 2, "batch_size": 4}),
     ("eagle", {"feature_noise": 0.1}),  # noise draws from the RNG, which the checkpoint must restore
+    ("dflash", {"grad_accum": 2, "batch_size": 4, "drafter_options": {"block_size": 4}}),  # so do anchors
 ])
 def test_kill_and_resume_equals_uninterrupted(workspace, kind, extra):
     # 38 training samples / (4 x 2) or / 8 = 4 steps an epoch: 7 steps cross an epoch boundary after resuming.

@@ -43,13 +43,16 @@ def module_state(model) -> list:
     return [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()]
 
 
-@pytest.mark.parametrize("kind", [*DRAFTERS, "medusa", "eagle", "eagle3"])
+TRAINED_KINDS = ["medusa", "eagle", "eagle3", "dflash"]
+
+
+@pytest.mark.parametrize("kind", [*DRAFTERS, *TRAINED_KINDS])
 def test_target_is_left_as_it_was(kind):
     target = tiny_model("llama").train()  # a user mid-training: the mode must survive
     target.model.layers[1].eval()  # and per-module flags too
     weights = {k: v.clone() for k, v in target.state_dict().items()}
     before = module_state(target)
-    drafter = heads_drafter(kind, target) if kind in ("medusa", "eagle", "eagle3") else DRAFTERS[kind](target)
+    drafter = heads_drafter(kind, target) if kind in TRAINED_KINDS else DRAFTERS[kind](target)
     model = SelfSpecModel(target, drafter)
     model.generate(IDS, max_new_tokens=12)
     assert module_state(target) == before  # no attribute, hook or packed weight left; modes restored

@@ -22,7 +22,7 @@ class TrainConfig:
     # --- what to train ---
     target: str = "smollm2-135m-instruct"  # target model: a local folder, a hub id, or the short name of the embedded SmolLM2
     target_dtype: str = "float32"  # dtype the frozen target runs in: float32 | bfloat16 | float16
-    drafter: str = "eagle"  # drafter kind, one registered in heads/: medusa | eagle | eagle3
+    drafter: str = "eagle"  # drafter kind, one registered in heads/: medusa | eagle | eagle3 | dflash
     drafter_options: dict = field(default_factory=dict)  # passed to heads.build (e.g. num_heads, num_layers, draft_vocab_size)
     drafter_init: str = ""  # continue training a saved drafter (folder or hub id) instead of building a fresh one
 

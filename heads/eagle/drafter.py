@@ -149,25 +149,32 @@ class EagleDrafter(HeadDrafter):
         return out
 
     def _select(self, tokens, parents, scores) -> DraftTree:
-        """Static: every node. Dynamic: the root and the `total_tokens` best nodes by cumulative log-prob.
-
-        A child never scores above its parent and comes after it, so a stable descending sort ranks parents
-        first and the kept set is ancestor-closed. Kept nodes stay in creation (depth) order."""
-        # tokens, parents, scores: [B, M]
-        b, m = tokens.shape
-        valid = torch.ones(b, m, dtype=torch.bool, device=tokens.device)
-        if self.static is not None or m - 1 <= self.tree["total_tokens"]:
-            return DraftTree(tokens, parents, valid)
-        best = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, : self.tree["total_tokens"]]
-        nodes = torch.cat([torch.zeros_like(best[:, :1]), (best + 1).sort(dim=1).values], dim=1)  # [B, n]
-        new_id = torch.full_like(tokens, -1)
-        new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes))
-        old_parent = parents.gather(1, nodes)
-        new_parent = torch.where(old_parent >= 0, new_id.gather(1, old_parent.clamp(min=0)), -1)
-        assert (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
-        return DraftTree(tokens.gather(1, nodes), new_parent, valid[:, : nodes.shape[1]])
+        """Static: every node. Dynamic: the root and the `total_tokens` best nodes by cumulative log-prob."""
+        if self.static is not None:
+            return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
+        return keep_best(tokens, parents, scores, self.tree["total_tokens"])
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
         self.root, self.last_hidden, self.last_logits = self.root[rows], self.last_hidden[rows], \
             self.last_logits[rows]
+
+
+def keep_best(tokens, parents, scores, total: int) -> DraftTree:
+    """The root and the `total` drafted nodes of highest cumulative draft log-prob `scores`.
+
+    A child never scores above its parent and comes after it, so a stable descending sort ranks parents
+    first and the kept set is ancestor-closed. Kept nodes stay in creation (depth) order."""
+    # tokens, parents, scores: [B, M]
+    b, m = tokens.shape
+    valid = torch.ones(b, m, dtype=torch.bool, device=tokens.device)
+    if m - 1 <= total:
+        return DraftTree(tokens, parents, valid)
+    best = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total]
+    nodes = torch.cat([torch.zeros_like(best[:, :1]), (best + 1).sort(dim=1).values], dim=1)  # [B, n]
+    new_id = torch.full_like(tokens, -1)
+    new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes))
+    old_parent = parents.gather(1, nodes)
+    new_parent = torch.where(old_parent >= 0, new_id.gather(1, old_parent.clamp(min=0)), -1)
+    assert (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
+    return DraftTree(tokens.gather(1, nodes), new_parent, valid[:, : nodes.shape[1]])

@@ -1,0 +1,4 @@
+from .config import DFlashConfig
+from .model import DFlashModel
+
+__all__ = ["DFlashConfig", "DFlashModel"]
