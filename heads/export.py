@@ -251,6 +251,7 @@ def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
 # ---- the formats, registered with their kinds in heads/__init__.py ------------------------------------------
 
 SPECULATORS = ExportFormat("speculators", "speculators", export_speculators, import_speculators,
-                           recognizes=lambda config: "speculators_model_type" in config)
+                           recognizes=lambda config: "speculators_model_type" in config, vllm_method="eagle3")
 VLLM_MEDUSA = ExportFormat("vllm", "vLLM Medusa", export_medusa_vllm, import_medusa_vllm,
-                           recognizes=lambda config: config.get("model_type") == "medusa")
+                           recognizes=lambda config: config.get("model_type") == "medusa", vllm_method="medusa",
+                           needs_target=lambda model: model.config.share_lm_head)

@@ -20,6 +20,8 @@ class ExportFormat:
     export: Callable  # (model, out_dir) -> out_dir
     load: Callable  # (path_or_hub_id, target=None, **hub_kwargs) -> model
     recognizes: Callable[[dict], bool]  # whether a config.json (as a dict) is in this format
+    vllm_method: str | None = None  # vLLM's speculative_config "method" serving it (None: vLLM does not)
+    needs_target: Callable[[object], bool] = lambda model: False  # export needs the drafter attached to its target
 
 
 @dataclass(frozen=True)
