@@ -194,18 +194,21 @@ def test_ngram_lookup_finds_latest_match():
     assert d._lookup(torch.tensor([4, 2, 3, 2]), 3)[1] == 1
 
 
+class RootAnd50(Drafter):
+    """A scripted primary drafter for two rows: the root with one child, token 50."""
+
+    pure_propose = True
+
+    def observe(self, step):
+        self.roots = step.next_tokens
+
+    def propose(self, budget):
+        return DraftTree(torch.stack([self.roots, self.roots * 0 + 50], 1), torch.tensor([[-1, 0]] * 2),
+                         torch.ones(2, 2, dtype=torch.bool))
+
+
 def test_lookup_first_takes_the_chain_only_on_a_long_enough_match():
-    class Scripted(Drafter):
-        pure_propose = True
-
-        def observe(self, step):
-            self.roots = step.next_tokens
-
-        def propose(self, budget):
-            return DraftTree(torch.stack([self.roots, self.roots * 0 + 50], 1), torch.tensor([[-1, 0]] * 2),
-                             torch.ones(2, 2, dtype=torch.bool))
-
-    d = LookupFirstDrafter(Scripted(), min_match=2)
+    d = LookupFirstDrafter(RootAnd50(), min_match=2)
     d.bind(None, None, 2)
     # with their roots, row 0 ends in a repeated bigram (8 9), row 1 in a repeated unigram (2)
     seqs = torch.tensor([[7, 8, 9, 1, 7, 8], [7, 8, 9, 1, 2, 3]])

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import perturbed_copy, tiny_model
-from test_infer import left_pad, prompts
+from test_infer import RootAnd50, left_pad, prompts
 from test_sampling import PROMPT, chi_square_p, exact_joint, sampled_pairs
 
-from infer import DraftModelDrafter, DraftTree, SelfSpecModel
+from infer import DraftModelDrafter, SelfSpecModel
 from infer.drafters.suffix import OwnTrees, ResponseCache, SuffixDrafter, TreeSize, frequency_tree
-from infer.drafting import Drafter, TargetStep
+from infer.drafting import TargetStep
 
 ARCTIC = importlib.util.find_spec("arctic_inference") is not None
 
@@ -113,17 +113,7 @@ def test_frequency_tree_scores_by_counts():
 
 
 def test_fallback_takes_rows_whose_match_is_short():
-    class Scripted(Drafter):
-        pure_propose = True
-
-        def observe(self, step):
-            self.roots = step.next_tokens
-
-        def propose(self, budget):
-            return DraftTree(torch.stack([self.roots, self.roots * 0 + 50], 1), torch.tensor([[-1, 0]] * 2),
-                             torch.ones(2, 2, dtype=torch.bool))
-
-    d = SuffixDrafter(fallback=Scripted(), min_match=3, spec_offset=2)
+    d = SuffixDrafter(fallback=RootAnd50(), min_match=3, spec_offset=2)
     d.bind(None, None, 2)
     # with their roots, row 0 ends in a repeated trigram (7 8 9), row 1 in a repeated unigram (2)
     seqs = torch.tensor([[7, 8, 9, 1, 7, 8], [7, 8, 9, 2, 4, 3]])
