@@ -49,6 +49,8 @@ DRAFTERS = {
     "staged": lambda target: "staged:bf16+ngram",
     "suffix": lambda target: "suffix",
     "suffix_fallback": lambda target: "suffix:early_exit:2",  # early exit where the suffix match is short
+    "lookahead": lambda target: "lookahead",  # Fu et al.'s window 15, n-gram 5, 15 guesses
+    "lookahead_small": lambda target: "lookahead:3,2,2",  # one window level, bigram guesses
 }
 
 

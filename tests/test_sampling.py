@@ -122,6 +122,8 @@ def drafters(target):
         # suffix matches in the prompt (one-hot trees), mixed row by row with early exit's sampled drafts
         "suffix": "suffix",
         "suffix_fallback": "suffix:early_exit:1",
+        # n-grams from the prompt and the Jacobi window: one-hot guesses, the window scored beside them
+        "lookahead": "lookahead:4,3,4",
         # a trained kind's block: a chain sampled from its own q, and a deterministic top-k tree
         "dflash": heads.build("dflash", target, block_size=4),
         "dflash_tree": heads.build("dflash", target, block_size=4, tree={"top_k": 3}),
@@ -129,7 +131,7 @@ def drafters(target):
 
 
 @pytest.mark.parametrize("kind", ["tree", "ngram", "draft_model", "lookup_first", "int8", "early_exit", "int4", "layerskip", "suffix",
-                                  "suffix_fallback", "dflash", "dflash_tree"])
+                                  "suffix_fallback", "lookahead", "dflash", "dflash_tree"])
 @pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.85)])
 def test_sampling_matches_target_distribution(target, kind, temperature, top_k, top_p):
     model = SelfSpecModel(target, drafters(target)[kind])

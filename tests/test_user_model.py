@@ -30,6 +30,7 @@ DRAFTERS = {
     "staged": lambda t: "staged:bf16+ngram",
     "lookup_first": lambda t: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(t)), min_match=1),
     "suffix": lambda t: "suffix:early_exit:2",
+    "lookahead": lambda t: "lookahead:4,3,4",
 }
 
 

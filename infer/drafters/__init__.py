@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..drafting import Drafter
-from . import gguf, layer_skip, self_draft, staged
+from . import gguf, layer_skip, lookahead, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
@@ -49,6 +49,8 @@ register("layerskip", layer_skip.from_spec, "layerskip[:<fraction>]",
          "the target minus the layers it can spare, chosen per request from agreement; no extra weights")
 register("staged", staged.from_spec, "staged:<drafter>+ngram",
          "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
+register("lookahead", lookahead.from_spec, "lookahead[:<window>,<ngram>,<guesses>]",
+         "no model: Jacobi iteration in the verify forward fills an n-gram pool (Fu et al. 2024)")
 register("suffix", suffix_from_spec, "suffix[:<drafter>]",
          "no model: suffix matches in the request and earlier responses (repeated requests); <drafter> elsewhere")
 
