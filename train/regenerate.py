@@ -10,6 +10,10 @@ see the regenerated earlier ones), batched with left padding, greedy or sampled.
 Resumable: records are appended to `--out` one line each, and a restart skips the ids already there (a
 line cut short by a kill is dropped). With sampling, a resumed run draws different random numbers than an
 uninterrupted one would have (batches are formed anew), so only greedy output is reproducible.
+
+`--engine vllm` generates with vLLM's offline engine instead (train/vllm_engine.py: vLLM runs in its own
+environment, `make vllm`), each batch handed to vLLM's scheduler whole, so a larger `--batch_size` (64+)
+pays there; the file written is the same, and so is resuming.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -93,8 +98,12 @@ def to_record(id_: str, messages: list[dict], fmt: str, finished: bool) -> dict:
 def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0, max_new_tokens: int = 256,
                batch_size: int = 8, temperature: float = 0.0, top_p: float = 1.0, out_format: str = "messages",
                seed: int = 0, progress: bool = True) -> dict:
-    """Append regenerated conversations for `rows` (a datasets.Dataset) to `out`; return counts."""
+    """Append regenerated conversations for `rows` (a datasets.Dataset) to `out`; return counts.
+
+    `model` is the target (transformers' batched `generate`) or a `train.vllm_engine.VLLMEngine`."""
     from tqdm.auto import tqdm
+
+    from .vllm_engine import VLLMEngine
 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target's tokenizer has no chat template; set tokenizer.chat_template first")
@@ -124,6 +133,10 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
         for b in range(0, len(todo), batch_size):
             batch = todo[b:b + batch_size]
             torch.manual_seed(seed + b)
+            if isinstance(model, VLLMEngine):
+                replies = partial(model.replies, seed=seed + b)
+            else:
+                replies = partial(generate_replies, model, tokenizer)
             finished = [True] * len(batch)
             for turn in range(max(len(plan) for _, plan in batch)):
                 live = [i for i, (_, plan) in enumerate(batch)
@@ -131,8 +144,8 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
                 if not live:
                     continue
                 histories = [batch[i][1][:turn] for i in live]
-                for i, (reply, fin) in zip(live, generate_replies(model, tokenizer, histories, max_new_tokens,
-                                                                  temperature, top_p), strict=True):
+                for i, (reply, fin) in zip(live, replies(histories, max_new_tokens, temperature, top_p),
+                                           strict=True):
                     batch[i][1][turn]["content"] = reply
                     finished[i] = finished[i] and fin
                     counts["tokens"] += len(tokenizer(reply, add_special_tokens=False)["input_ids"])
@@ -143,6 +156,7 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
             f.flush()
             bar.update(len(batch))
     counts["seconds"] = round(time.perf_counter() - start, 1)
+    counts["tokens_per_s"] = round(counts["tokens"] / max(counts["seconds"], 1e-9), 1)
     return counts
 
 
@@ -162,15 +176,28 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engine", default="transformers", choices=["transformers", "vllm"],
+                        help="vllm: vLLM's offline engine from its own environment (make vllm)")
+    parser.add_argument("--vllm_python", default=None,
+                        help="python of the environment with vLLM ($SELFSPEC_VLLM_PYTHON; default .venv-vllm)")
     args = parser.parse_args(argv)
 
     from .target import load_target
+    from .vllm_engine import VLLMEngine, vllm_model_path
 
     rows = load_rows(args.data, args.split)
-    model, tokenizer = load_target(args.target, args.dtype)
-    counts = regenerate(model.to(args.device), tokenizer, rows, args.out, max_samples=args.max_samples,
-                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                        temperature=args.temperature, top_p=args.top_p, out_format=args.format, seed=args.seed)
+    settings = dict(max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                    temperature=args.temperature, top_p=args.top_p, out_format=args.format, seed=args.seed)
+    if args.engine == "vllm":
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(vllm_model_path(args.target))
+        log = Path(args.out).with_suffix(".vllm.log")
+        with VLLMEngine(args.target, dtype=args.dtype, vllm_python=args.vllm_python, log=log) as engine:
+            counts = regenerate(engine, tokenizer, rows, args.out, **settings)
+    else:
+        model, tokenizer = load_target(args.target, args.dtype)
+        counts = regenerate(model.to(args.device), tokenizer, rows, args.out, **settings)
     print(json.dumps(counts))
 
 

@@ -1,0 +1,127 @@
+"""vLLM's offline engine, run in its own environment, as a generator for self-distillation.
+
+vLLM's CPU build needs its own torch and transformers, so it lives in .venv-vllm (`make vllm`), not in the
+project's environment. `VLLMEngine` starts train/vllm_worker.py there and talks JSON lines to it:
+
+    with VLLMEngine("smollm2-135m-instruct") as engine:
+        engine.replies([[{"role": "user", "content": "Hi"}]], max_new_tokens=64)   # [(text, finished)]
+
+The worker runs in its own process group, killed with everything vLLM started when the engine closes (or
+when this process dies: Linux parent-death signal).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+
+
+def default_vllm_python() -> Path:
+    """$SELFSPEC_VLLM_PYTHON, else the environment `make vllm` builds."""
+    return Path(os.environ.get("SELFSPEC_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def vllm_model_path(target: str) -> str:
+    """A target vLLM can load: the embedded short name becomes its converted transformers folder."""
+    from infer.embedded import EMBEDDED_NAME, embedded_folder
+
+    return str(embedded_folder()) if str(target).lower() == EMBEDDED_NAME else str(target)
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+class VLLMEngine:
+    """Chat replies from vLLM's offline engine, batched by vLLM's scheduler."""
+
+    def __init__(self, target: str, *, dtype: str = "float32", vllm_python: str | os.PathLike | None = None,
+                 log: str | os.PathLike | None = None, enforce_eager: bool = True, max_model_len: int | None = None,
+                 startup_timeout: float = 900.0):
+        python = Path(vllm_python) if vllm_python else default_vllm_python()
+        if not python.exists():
+            raise FileNotFoundError(f"no vLLM environment at {python}: run `make vllm`, or pass the python of an "
+                                    "environment with vLLM (--vllm_python / $SELFSPEC_VLLM_PYTHON)")
+        self.log = Path(log) if log else ROOT / "runs" / "vllm-regenerate.log"
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [str(python), str(WORKER), "--model", vllm_model_path(target), "--dtype", dtype]
+        cmd += ["--enforce-eager"] if enforce_eager else []
+        cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
+        # A fixed KV cache: without it vLLM's CPU backend wants 92% of the memory node (GPU builds ignore it).
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+        with open(self.log, "wb") as log_file:
+            self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
+                                         env=env, text=True, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._read("ready", startup_timeout)
+        except BaseException:
+            self.close()
+            raise
+
+    def _read(self, key: str, timeout: float | None = None):
+        """The next protocol line's `key`; vLLM's own failure (the end of its log) if the worker died."""
+        if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
+            raise TimeoutError(f"vLLM did not start within {timeout:.0f} s; it was stopped. Its log: {self.log}")
+        line = self.proc.stdout.readline()  # the worker writes one line per request
+        if not line:
+            self.proc.wait(timeout=30)
+            tail = "\n".join(f"  | {t}" for t in deque(self.log.read_text(errors="replace").splitlines(), 25))
+            raise RuntimeError(f"the vLLM worker exited with code {self.proc.returncode}; the end of its log "
+                               f"({self.log}):\n{tail}")
+        return json.loads(line)[key]
+
+    def replies(self, histories: list[list[dict]], max_new_tokens: int, temperature: float = 0.0,
+                top_p: float = 1.0, seed: int = 0) -> list[tuple[str, bool]]:
+        """(reply, finished) for each history; `finished` is False when max_new_tokens cut the reply."""
+        request = {"histories": histories, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                   "top_p": top_p, "seed": seed}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return [(text, finished) for text, finished in self._read("replies")]
+
+    def close(self, grace: float = 30.0) -> None:
+        """End the worker: stdin closed (it leaves its loop), then SIGTERM and SIGKILL to its whole group."""
+        if self.proc.stdin and not self.proc.stdin.closed:
+            try:
+                self.proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        for sig, wait in ((None, grace), (signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+            if sig is not None:
+                try:
+                    os.killpg(self.proc.pid, sig)
+                except ProcessLookupError:
+                    break
+            deadline = time.monotonic() + wait
+            while self._group_alive() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not self._group_alive():
+                break
+        self.proc.wait()
+
+    def _group_alive(self) -> bool:
+        self.proc.poll()
+        try:
+            os.killpg(self.proc.pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
+
+    def __enter__(self) -> VLLMEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
