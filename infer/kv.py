@@ -5,12 +5,18 @@ and `cache_position`; transformers passes a 4D mask through untouched. That lets
 that accept different numbers of tokens per step: a row's rejected or unused slots stay in the tensor as
 holes (`valid` False) that no later query attends to, and positions are counted over valid slots only.
 With batch size 1 no hole ever appears.
+
+The cache's keys and values live in buffers with room to spare (`RoomyLayer`): a step writes its block in
+place and a commit gathers the kept path in place, where transformers' `DynamicCache` would copy the whole
+cache with `torch.cat` on every forward of every layer (SmolLM2-135M at 300 tokens: 14 MB a forward,
+3.5 ms of a 25 ms draft forward on this CPU).
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import Cache, DynamicLayer
 
 
 def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, int | None]]:
@@ -34,6 +40,46 @@ def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, in
     return "tensor", {"all": window}
 
 
+class RoomyLayer(DynamicLayer):
+    """A `DynamicLayer` whose `keys`/`values` are leading slices of larger buffers: `update` writes the new
+    block after them in place and grows a buffer (by half, at least `GROW` slots) only when it is full.
+    Anything that leaves `keys`/`values` a leading slice of the buffer (`crop`, `KVState.commit`) keeps the
+    buffer; anything else (a row selection) is adopted into a new buffer on the next update."""
+
+    GROW = 256
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self._room = {}
+        self.keys = self._append("keys", self.keys, key_states)
+        self.values = self._append("values", self.values, value_states)
+        return self.keys, self.values
+
+    def _append(self, name: str, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        # held: [B, H, S, D] (or empty), new: [B, H, N, D] -> a view [B, H, S + N, D] of the buffer
+        size = held.shape[2] if held.dim() == 4 else 0
+        end = size + new.shape[2]
+        buf = self._room.get(name)
+        prefix = (buf is not None and held.dim() == 4 and held.data_ptr() == buf.data_ptr()
+                  and held.stride() == buf.stride() and held.shape[:2] == buf.shape[:2] and buf.shape[3] == new.shape[3])
+        if not prefix or end > buf.shape[2]:
+            room = max(end + self.GROW, end * 3 // 2)
+            grown = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])
+            if size:
+                grown[:, :, :size] = held
+            self._room[name] = buf = grown
+        buf[:, :, size:end] = new
+        return buf[:, :, :end]
+
+
+class RoomyCache(DynamicCache):
+    """A `DynamicCache` of `RoomyLayer`s, one per decoder layer, created as the model first writes them."""
+
+    def __init__(self):
+        Cache.__init__(self, layer_class_to_replicate=RoomyLayer)
+
+
 class KVState:
     """A `DynamicCache` plus, for every slot, whether it holds a live token and at which position.
 
@@ -41,7 +87,7 @@ class KVState:
     """
 
     def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None):
-        self.cache = DynamicCache()
+        self.cache = RoomyCache()
         self.layout, self.windows = attention_layout(config)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]

@@ -15,6 +15,11 @@ few counts. The draft cost is a running average of wall time per drafted token; 
 fitted online as a + b * drafts, so the marginal cost of a draft token is c_draft + b (on a CPU a
 wider verify is not free). Nothing here affects which tokens are emitted,
 only how many are proposed, so exactness never depends on it.
+
+The same comparison decides whether to draft at all: once a few steps are measured, a step drafts only
+if drafting steps have produced tokens faster than a plain step would (`worth_drafting`). A drafter that
+does not pay on this machine (a shallow early exit, say) then costs a probe step in `PROBE`, not every
+step, and resumes drafting when a probe shows its acceptance has come back.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ import time
 import torch
 
 BINS = 20
+PROBE = 8  # a drafter that does not pay still drafts one step in PROBE, to notice when it would again
+MEASURED = 4  # drafting steps judged before worth_drafting may say no
 
 
 class AdaptiveLength:
@@ -42,12 +49,28 @@ class AdaptiveLength:
         self.mean_drafted = float(max_tokens)  # drafts per step (running average)
         self._confidence: list[list[float]] = []  # per row, the confidences drafted this step
         self._proposed_at = None
+        self.judged_steps = 0  # drafting steps measured so far
+        self.idle = 0  # steps skipped since the last drafting step
 
     def new_generation(self) -> None:
         """Forget a step left half-done (calibration and costs carry over between generations)."""
         self._confidence, self._proposed_at = [], None
 
     # ------------------------------------------------------------------ during drafting
+    def worth_drafting(self) -> bool:
+        """Whether this step should draft at all: True while too little is measured, when the steps that
+        drafted produced more tokens per second than plain steps would, and for one probe step in PROBE."""
+        if self.judged_steps < MEASURED:
+            return True
+        # a plain step costs at most a verify step with drafts (step_cost): that errs towards drafting, and
+        # unlike a fitted intercept it cannot be thrown far off by a few noisy steps
+        drafting = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
+        if drafting * self.step_cost > 1.0:
+            self.idle = 0
+            return True
+        self.idle += 1
+        return self.idle % PROBE == 0
+
     def start(self, rows: int) -> None:
         """A new step of `rows` chains begins."""
         self._confidence = [[] for _ in range(rows)]
@@ -103,6 +126,7 @@ class AdaptiveLength:
         """The target kept `accepted[b]` of row b's drafts: update calibration and costs."""
         if self._proposed_at is None:
             return
+        self.judged_steps += 1
         seconds = time.perf_counter() - self._proposed_at
         self.step_cost = _average(self.step_cost, seconds)
         self._proposed_at = None

@@ -104,9 +104,10 @@ class DraftModelDrafter(Drafter):
 
     def _room(self, budget: torch.Tensor) -> int:
         """How many tokens to draft this step: at most num_tokens, the budget, and what still fits in the
-        draft model's context (a short-context draft model stops drafting; the target goes on alone)."""
+        draft model's context (a short-context draft model stops drafting; the target goes on alone);
+        none on a step where `AdaptiveLength` finds that drafting does not pay."""
         k = max(0, min(self.num_tokens, int(budget.max())))
-        if self.off:
+        if self.off or (k and self.length is not None and not self.length.worth_drafting()):
             return 0
         if self.max_positions and self._used() + k > self.max_positions:
             k = max(0, self.max_positions - self._used())

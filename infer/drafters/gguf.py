@@ -159,6 +159,9 @@ class GGUFDrafter(Drafter):
     def propose(self, budget: torch.Tensor) -> DraftTree:
         k = max(0, min(self.max_tokens, int(budget.max())))
         rows = len(self.rows)
+        if k and self.length is not None and not self.length.worth_drafting():
+            # drafting has not paid lately: this step verifies the roots alone (llama.cpp catches up later)
+            return chain_tree(self.roots, self.roots.new_zeros(rows, 0), self.roots.new_zeros(rows))
         drafts = torch.zeros(rows, k, dtype=torch.long)
         lengths = torch.zeros(rows, dtype=torch.long)
         q = torch.zeros(rows, k, self.target_vocab) if self.sampling.do_sample and k else None
