@@ -8,6 +8,10 @@ question so that every method sees the same machine state:
     pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
     <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
+    vllm[-<method>]    vLLM's offline engine from its own environment (`make vllm`), one per --vllm: plain
+                       decoding, its n-gram or suffix drafting, or a trained drafter exported as
+                       scripts/serve.py exports it; tau and acceptance by draft position from vLLM's own
+                       spec-decode counters
 
 Workloads: first turns (default), all turns (`--turns 2`), MT-bench second turns only (`--second-turns`: the
 first turn's reply, part of the prompt, is the target's own greedy one, generated untimed), and repeated
@@ -105,6 +109,8 @@ class Method:
     name: str
     run: Callable[[torch.Tensor, int], tuple[torch.Tensor, dict]]
     reset: Callable[[], None] | None = None  # forgets what earlier calls left (a suffix drafter's responses)
+    close: Callable[[], None] | None = None  # frees what it holds (a vLLM engine's processes)
+    engine: str = "selfspec"  # or "transformers", "vllm": whose output a mismatch would be
 
 
 class ForwardCounter:
@@ -132,7 +138,7 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
                               max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
         return out, {}
 
-    return Method(name, run)
+    return Method(name, run, engine="transformers")
 
 
 def engine_method(target, drafter, name: str, lookup_first: bool = False) -> Method:
@@ -185,13 +191,68 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     drafter = heads.load(spec)
     if tree:
         drafter.config.tree = drafter.config.resolve_tree({**(drafter.config.tree or {}), **tree})
-    folder = Path(spec)
-    # a run's drafter lives in runs/<run>/drafter: name it by the run
+    return drafter_label(spec, drafter), drafter
+
+
+def drafter_label(folder: str, drafter) -> str:
+    """`<kind>:<name>` for a saved drafter; a run's drafter lives in runs/<run>/drafter: named by the run."""
+    folder = Path(folder)
     label = folder.parent.name if folder.name == "drafter" and folder.parent.name else folder.name
-    return f"{drafter.kind}:{label}", drafter
+    return f"{drafter.kind}:{label}"
 
 
 LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
+
+
+def _serve_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("selfspec_serve", Path(__file__).resolve().parent / "serve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def vllm_speculation(spec: str) -> tuple[str, dict | None]:
+    """(row name, vLLM speculative_config) for `--vllm plain|ngram|suffix|<drafter folder>`; a drafter is
+    exported to the format vLLM loads for its kind, beside it, as scripts/serve.py does."""
+    serve = _serve_module()
+    if spec == "plain":
+        return "vllm", None
+    if spec in serve.DRAFTERLESS:
+        return f"vllm-{spec}", {"method": spec, **serve.DRAFTERLESS[spec]}
+    try:
+        drafter = serve.load_drafter(spec)
+        fmt = serve.servable_format(drafter)
+    except serve.ServeError as err:
+        raise ValueError(f"--vllm {spec}: {err}") from None
+    out = Path(f"{Path(spec).resolve()}-{fmt.name}")
+    exported = serve.export_drafter(drafter, fmt, drafter.config.base_model_name_or_path, out)
+    config = {"method": fmt.vllm_method, "model": str(Path(exported).resolve()),
+              "num_speculative_tokens": serve.tree_depth(drafter.config)}
+    return f"vllm-{drafter_label(spec, drafter)}", config
+
+
+def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: Path) -> Method:
+    """vLLM's offline engine on the same prompts (see the module docstring), greedy, started once here."""
+    from train.vllm_engine import VLLMEngine
+
+    name, config = vllm_speculation(spec)
+    # vLLM's CPU build binds its OpenMP threads itself: the same cores and count as the torch rows
+    env = {"VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    engine = VLLMEngine(target_name, dtype=dtype, speculative_config=config, log_stats=config is not None, env=env,
+                        log=log_dir / f"{name.replace(':', '_')}.log")
+
+    def run(input_ids, max_new_tokens):
+        ids, counts = engine.generate_ids(input_ids[0].tolist(), max_new_tokens)
+        out = torch.cat([input_ids.cpu(), torch.tensor([ids], dtype=input_ids.dtype)], dim=1)
+        if not counts:
+            return out, {"target_forwards": len(ids)}
+        # every target forward emits its accepted drafts and one token of its own, the prefill one
+        return out, {"target_forwards": max(len(ids) - counts["accepted"], 1), "drafts": counts["drafts"],
+                     "accepted_by_position": counts["per_position"]}
+
+    return Method(name, run, close=engine.close, engine="vllm")
 
 
 def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
@@ -245,6 +306,7 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
         warnings.warn(f"{', '.join(stateful)} keep earlier responses: repeats 2..{repeats} of a question see "
                       "its first answer, so their times are a repeated-request workload's", stacklevel=2)
     eos = _eos_ids(target, tokenizer)
+    engines = {m.name: m.engine for m in methods}
     counter = ForwardCounter(target)
     records, mismatches, history = [], [], {}
     try:
@@ -271,6 +333,7 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                     results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
                     if not results[name]["matches_baseline"]:
                         mismatches.append({"question_id": q["question_id"], "turn": turn + 1, "method": name,
+                                           "engine": engines[name],
                                            "first_differing_token": _first_difference(outputs[name],
                                                                                       outputs[BASELINE])})
                 records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
@@ -282,7 +345,7 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     finally:
         counter.remove()
     names = [m.name for m in methods]
-    return {"methods": names, "questions": records, "mismatches": mismatches,
+    return {"methods": names, "engines": engines, "questions": records, "mismatches": mismatches,
             "per_category": _aggregate(records, names),
             "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "turns": turns, "batch_size": 1,
                          "greedy": True, "warmup": warmup, "timed_from_turn": timed_from_turn, "passes": passes}}
@@ -309,7 +372,10 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
             if m.name in outputs and outputs[m.name] != tokens:
                 raise RuntimeError(f"{m.name} gave different greedy outputs on repeated runs of one prompt")
             outputs[m.name] = tokens
-            r.update(new_tokens=len(tokens), target_forwards=counter.calls)
+            # a method whose target runs elsewhere (vLLM) counts its own forwards
+            r.update(new_tokens=len(tokens), target_forwards=stats.get("target_forwards", counter.calls))
+            if "accepted_by_position" in stats:
+                r.update(drafts=stats["drafts"], accepted_by_position=stats["accepted_by_position"])
             if "accepted_lengths" in stats:
                 r.update(accepted_lengths=list(stats["accepted_lengths"]), draft_seconds=stats.get("draft_seconds"),
                          verify_seconds=stats.get("verify_seconds"))
@@ -346,6 +412,9 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
                          "tokens_per_s": tokens / seconds if seconds else 0.0,
                          "tau": tokens / forwards if forwards else 0.0,
                          "mismatches": sum(not r["results"][name]["matches_baseline"] for r in recs)}
+            by_position = acceptance_by_position([r["results"][name] for r in recs])
+            if by_position:
+                row[name]["acceptance_by_position"] = by_position
             if all(r["results"][name].get("draft_seconds") is not None for r in recs) and forwards:
                 # per target forward, the prefill included (as in tau)
                 row[name]["draft_ms_per_step"] = 1000 * sum(r["results"][name]["draft_seconds"] for r in recs) / forwards
@@ -356,6 +425,22 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
                     row[name][key] = row[name]["tokens_per_s"] / row[ref]["tokens_per_s"]
         table[cat] = row
     return table
+
+
+def acceptance_by_position(results: list[dict]) -> list[float]:
+    """Per draft position i, the fraction of drafting steps whose draft at position i was accepted (and all
+    before it): from selfspec's accepted lengths (every step after the prefill; a step emitting L tokens
+    accepted positions 0..L-2) or from vLLM's per-position counters over its drafts. Empty if neither."""
+    if results and all("accepted_by_position" in r for r in results):
+        drafts = sum(r["drafts"] for r in results)
+        width = max(len(r["accepted_by_position"]) for r in results)
+        totals = [sum(r["accepted_by_position"][i] for r in results if i < len(r["accepted_by_position"]))
+                  for i in range(width)]
+        return [t / drafts for t in totals] if drafts else []
+    lengths = [a for r in results for a in r.get("accepted_lengths", [])]
+    if not lengths:
+        return []
+    return [sum(a - 1 > i for a in lengths) / len(lengths) for i in range(max(lengths) - 1)]
 
 
 # ---------------------------------------------------------------------------------------------- outputs
@@ -392,6 +477,16 @@ def to_markdown(result: dict) -> str:
     foot += ". tau = new tokens per target forward (prefill included).\n"
     if result["mismatches"]:
         foot += f"\n**{len(result['mismatches'])} greedy output(s) differ from the baseline.**\n"
+    overall = result["per_category"]["overall"]
+    accepting = [m for m in methods if overall[m].get("acceptance_by_position")]
+    if accepting:
+        width = min(8, max(len(overall[m]["acceptance_by_position"]) for m in accepting))
+        foot += ("\nAcceptance by draft position (overall): the fraction of drafting steps whose draft at that "
+                 "position was accepted, with every draft before it.\n\n| method | "
+                 + " | ".join(str(i) for i in range(width)) + " |\n| --- |" + " ---: |" * width + "\n")
+        for m in accepting:
+            acc = overall[m]["acceptance_by_position"]
+            foot += f"| {m} | " + " | ".join(f"{acc[i]:.2f}" if i < len(acc) else "-" for i in range(width)) + " |\n"
     return "\n".join(lines) + "\n" + foot
 
 
@@ -500,8 +595,9 @@ def report_mismatches(result: dict) -> None:
     print(f"\n!!! GREEDY MISMATCH: {len(result['mismatches'])} output(s) differ from transformers' greedy output "
           "!!!", file=sys.stderr)
     for m in result["mismatches"]:
+        whose = " (vLLM's own output: not selfspec's exactness)" if m.get("engine") == "vllm" else ""
         print(f"!!!   question {m['question_id']} turn {m['turn']}: {m['method']} differs from token "
-              f"{m['first_differing_token']}", file=sys.stderr)
+              f"{m['first_differing_token']}{whose}", file=sys.stderr)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -533,7 +629,11 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="where the target and drafters run, e.g. cuda")
-    parser.add_argument("--strict", action="store_true", help="exit 1 if any greedy output differs")
+    parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
+                        help="a vLLM row (vLLM's CPU build from `make vllm`, or --vllm-python): plain decoding, "
+                             "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 if any selfspec or transformers greedy output differs")
     parser.add_argument("--no-plots", action="store_true")
     args = parser.parse_args(argv)
 
@@ -551,6 +651,17 @@ def main(argv=None) -> int:
         methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
         methods.append(drafter_method(spec, target, parse_tree(args.tree)))
+    try:
+        for spec in args.vllm:
+            methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out)))
+        return _run(args, argv, target, tokenizer, questions, methods)
+    finally:
+        for m in methods:
+            if m.close is not None:
+                m.close()
+
+
+def _run(args, argv, target, tokenizer, questions, methods) -> int:
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
 
@@ -572,12 +683,14 @@ def main(argv=None) -> int:
     result["environment"].update(memory_floor(target))
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
-                              args.pld_tokens, drafters=args.drafter, tree=parse_tree(args.tree) or None)
+                              args.pld_tokens, drafters=args.drafter, vllm=args.vllm or None,
+                              tree=parse_tree(args.tree) or None)
     paths = write_outputs(result, args.out, plots=not args.no_plots)
     print(to_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     report_mismatches(result)
-    return 1 if args.strict and result["mismatches"] else 0
+    ours = [m for m in result["mismatches"] if m.get("engine") != "vllm"]
+    return 1 if args.strict and ours else 0
 
 
 if __name__ == "__main__":

@@ -206,3 +206,69 @@ def test_second_turns_and_repeated_workloads(questions_file):
     assert "2 passes over the questions" in bench.to_markdown(repeated)
     with pytest.raises(ValueError, match="timed_from_turn"):
         bench.run_bench(target, tokenizer, questions, methods, turns=1, timed_from_turn=2, progress=False)
+
+
+def test_acceptance_by_position_from_either_engine():
+    # selfspec: steps emitting 3, 1 and 2 tokens accepted positions {0, 1}, {} and {0}
+    assert bench.acceptance_by_position([{"accepted_lengths": [3, 1]}, {"accepted_lengths": [2]}]) == [2 / 3, 1 / 3]
+    # vLLM: per-position counters over its drafts, summed over questions
+    vllm = [{"drafts": 4, "accepted_by_position": [3, 1, 0]}, {"drafts": 6, "accepted_by_position": [5, 2, 1]}]
+    assert bench.acceptance_by_position(vllm) == [0.8, 0.3, 0.1]
+    assert bench.acceptance_by_position([{"new_tokens": 5}]) == []  # plain decoding drafts nothing
+
+
+def test_vllm_rows_a_method_with_its_own_forwards_and_counters(questions_file):
+    """A stand-in for a vLLM row (greedy ids, its own forward count and per-position counters, as
+    vllm_method returns them): tau and acceptance come from those, not from the local target's hook."""
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    honest = bench.hf_method(target, "honest")
+
+    def run(ids, max_new_tokens):
+        out, _ = honest.run(ids, max_new_tokens)
+        return out, {"target_forwards": 4, "drafts": 3, "accepted_by_position": [3, 2]}
+
+    methods = [bench.hf_method(target, bench.BASELINE), bench.Method("vllm-ngram", run, engine="vllm")]
+    result = bench.run_bench(target, tokenizer, bench.load_questions(questions_file), methods, max_new_tokens=8,
+                             progress=False, warmup=False)
+    row = result["per_category"]["overall"]["vllm-ngram"]
+    assert row["tau"] == 16 / 8  # 2 questions x 8 tokens over 2 x 4 forwards
+    assert row["acceptance_by_position"] == [1.0, 4 / 6]
+    assert result["engines"]["vllm-ngram"] == "vllm" and not result["mismatches"]
+    assert "| vllm-ngram | 1.00 | 0.67 |" in bench.to_markdown(result)
+
+
+def test_vllm_row_names_and_bad_drafters(tmp_path):
+    assert bench.vllm_speculation("plain") == ("vllm", None)
+    name, config = bench.vllm_speculation("ngram")
+    assert name == "vllm-ngram" and config["method"] == "ngram"
+    with pytest.raises(ValueError, match="--vllm nowhere: nowhere is not a folder"):
+        bench.vllm_speculation("nowhere")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="is not a selfspec drafter"):
+        bench.vllm_speculation(str(tmp_path / "empty"))
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+def test_vllm_rows_on_the_embedded_target(tmp_path):
+    """vLLM's CPU build, plain and with its n-gram drafting, beside transformers' greedy on two MT-bench-like
+    prompts: vLLM's greedy output equals transformers' here (fp32 both), and its n-gram counters count."""
+    from train.vllm_engine import default_vllm_python
+
+    if not default_vllm_python().exists():
+        pytest.skip(f"no vLLM environment at {default_vllm_python()}: run `make vllm` (CI's .ci/run does)")
+    rows = [{"question_id": 1, "category": "extraction", "turns": [
+        "Repeat this list exactly, one item per line: apples, pears, plums, apples, pears, plums, apples, pears."]},
+        {"question_id": 2, "category": "writing", "turns": ["Write two sentences about the sea."]}]
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    code = bench.main(["--questions", str(questions), "--no-pld", "--threads", "2", "--max-new-tokens", "48",
+                       "--vllm", "plain", "--vllm", "ngram", "--out", str(out), "--no-plots", "--strict"])
+    result = json.loads((out / "results.json").read_text())
+    assert code == 0
+    assert result["methods"] == ["baseline", "vllm", "vllm-ngram"]
+    overall = result["per_category"]["overall"]
+    assert overall["vllm"]["tau"] == 1.0
+    assert overall["vllm-ngram"]["acceptance_by_position"], "vLLM's n-gram counters recorded nothing"
+    print(f"\nvLLM rows: mismatches {result['mismatches']}, n-gram tau {overall['vllm-ngram']['tau']:.2f}")

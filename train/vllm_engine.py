@@ -50,7 +50,8 @@ class VLLMEngine:
 
     def __init__(self, target: str, *, dtype: str = "float32", vllm_python: str | os.PathLike | None = None,
                  log: str | os.PathLike | None = None, enforce_eager: bool = True, max_model_len: int | None = None,
-                 startup_timeout: float = 900.0):
+                 startup_timeout: float = 900.0, speculative_config: dict | None = None, log_stats: bool = False,
+                 env: dict[str, str] | None = None):
         python = Path(vllm_python) if vllm_python else default_vllm_python()
         if not python.exists():
             raise FileNotFoundError(f"no vLLM environment at {python}: run `make vllm`, or pass the python of an "
@@ -60,8 +61,10 @@ class VLLMEngine:
         cmd = [str(python), str(WORKER), "--model", vllm_model_path(target), "--dtype", dtype]
         cmd += ["--enforce-eager"] if enforce_eager else []
         cmd += ["--max-model-len", str(max_model_len)] if max_model_len else []
+        cmd += ["--speculative-config", json.dumps(speculative_config)] if speculative_config else []
+        cmd += ["--log-stats"] if log_stats else []
         # A fixed KV cache: without it vLLM's CPU backend wants 92% of the memory node (GPU builds ignore it).
-        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
+        env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, **(env or {})}
         with open(self.log, "wb") as log_file:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
                                          env=env, text=True, start_new_session=True, preexec_fn=_die_with_parent)
@@ -73,6 +76,9 @@ class VLLMEngine:
 
     def _read(self, key: str, timeout: float | None = None):
         """The next protocol line's `key`; vLLM's own failure (the end of its log) if the worker died."""
+        return self._read_line(timeout)[key]
+
+    def _read_line(self, timeout: float | None = None) -> dict:
         if timeout is not None and not select.select([self.proc.stdout], [], [], timeout)[0]:
             raise TimeoutError(f"vLLM did not start within {timeout:.0f} s; it was stopped. Its log: {self.log}")
         line = self.proc.stdout.readline()  # the worker writes one line per request
@@ -81,7 +87,7 @@ class VLLMEngine:
             tail = "\n".join(f"  | {t}" for t in deque(self.log.read_text(errors="replace").splitlines(), 25))
             raise RuntimeError(f"the vLLM worker exited with code {self.proc.returncode}; the end of its log "
                                f"({self.log}):\n{tail}")
-        return json.loads(line)[key]
+        return json.loads(line)
 
     def replies(self, histories: list[list[dict]], max_new_tokens: int, temperature: float = 0.0,
                 top_p: float = 1.0, seed: int = 0) -> list[tuple[str, bool]]:
@@ -91,6 +97,14 @@ class VLLMEngine:
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return [(text, finished) for text, finished in self._read("replies")]
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict | None]:
+        """One greedy generation from token ids: (new ids, eos included where it stopped; the spec-decode
+        counters it added, or None without speculation or log_stats)."""
+        self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        line = self._read_line()
+        return line["ids"], line["spec"]
 
     def close(self, grace: float = 30.0) -> None:
         """End the worker: stdin closed (it leaves its loop), then SIGTERM and SIGKILL to its whole group."""
