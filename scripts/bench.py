@@ -8,6 +8,9 @@ question so that every method sees the same machine state:
     pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
     <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
+    oracle:<alpha>     SelfSpecModel drafting the baseline's own answer, each token wrong with probability
+                       1 - alpha (`--oracle`): acceptance is set, drafting is free, so tokens/s against the
+                       ideal (1 - alpha^(K+1)) / (1 - alpha) tokens per plain step is the engine's overhead
     vllm[-<method>]    vLLM's offline engine from its own environment (`make vllm`), one per --vllm: plain
                        decoding, its n-gram or suffix drafting, or a trained drafter exported as
                        scripts/serve.py exports it; tau and acceptance by draft position from vLLM's own
@@ -111,20 +114,34 @@ class Method:
     reset: Callable[[], None] | None = None  # forgets what earlier calls left (a suffix drafter's responses)
     close: Callable[[], None] | None = None  # frees what it holds (a vLLM engine's processes)
     engine: str = "selfspec"  # or "transformers", "vllm": whose output a mismatch would be
+    # called with the baseline's new tokens for the prompt before each run (an oracle drafter's answer)
+    before: Callable[[list[int]], None] | None = None
+    ideal_tokens_per_step: float | None = None  # an oracle's expected tokens per step at its alpha
 
 
 class ForwardCounter:
-    """Counts the target's forward calls, so tau is measured the same way for every method."""
+    """Counts the target's forward calls, so tau is measured the same way for every method, and the time
+    spent inside them, so that what a method spends outside the target's forwards can be told apart."""
 
     def __init__(self, model):
-        self.calls = 0
-        self._handle = model.register_forward_pre_hook(self._hook)
+        self.calls, self.seconds, self._tic = 0, 0.0, None
+        self._handles = [model.register_forward_pre_hook(self._enter), model.register_forward_hook(self._leave)]
 
-    def _hook(self, module, args):
+    def reset(self) -> None:
+        self.calls, self.seconds = 0, 0.0
+
+    def _enter(self, module, args):
         self.calls += 1
+        self._tic = time.perf_counter()
+
+    def _leave(self, module, args, output):
+        if self._tic is not None:
+            self.seconds += time.perf_counter() - self._tic
+            self._tic = None
 
     def remove(self):
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def hf_method(target, name: str, **generate_kwargs) -> Method:
@@ -151,6 +168,23 @@ def engine_method(target, drafter, name: str, lookup_first: bool = False) -> Met
         return out, dict(model.last_stats)
 
     return Method(name, run, reset=getattr(model.drafter, "clear", None))
+
+
+def oracle_method(target, alpha: float, depth: int = 8) -> Method:
+    """SelfSpecModel with `OracleDrafter`: the baseline's own answer drafted, each token wrong with
+    probability 1 - alpha, so acceptance is set and drafting is free (see infer/drafters/oracle.py)."""
+    from infer import SelfSpecModel
+    from infer.drafters.oracle import OracleDrafter, expected_tokens_per_step
+
+    drafter = OracleDrafter(alpha, depth)
+    model = SelfSpecModel(target, drafter)
+
+    def run(input_ids, max_new_tokens):
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+        return out, dict(model.last_stats)
+
+    return Method(f"oracle:{alpha:g}", run, before=lambda answer: drafter.expect([answer]),
+                  ideal_tokens_per_step=expected_tokens_per_step(alpha, depth))
 
 
 def parse_tree(text: str | None) -> dict:
@@ -345,8 +379,9 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     finally:
         counter.remove()
     names = [m.name for m in methods]
+    ideals = {m.name: m.ideal_tokens_per_step for m in methods if m.ideal_tokens_per_step is not None}
     return {"methods": names, "engines": engines, "questions": records, "mismatches": mismatches,
-            "per_category": _aggregate(records, names),
+            "per_category": _aggregate(records, names, ideals),
             "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "turns": turns, "batch_size": 1,
                          "greedy": True, "warmup": warmup, "timed_from_turn": timed_from_turn, "passes": passes}}
 
@@ -360,7 +395,9 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
     outputs = {}
     for _ in range(repeats):
         for m in methods:
-            counter.calls = 0
+            if m.before is not None:
+                m.before(outputs[BASELINE])  # the baseline runs first in every round
+            counter.reset()
             tic = time.perf_counter()
             out, stats = m.run(ids, max_new_tokens)
             if out.device.type == "cuda":
@@ -378,7 +415,7 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
                 r.update(drafts=stats["drafts"], accepted_by_position=stats["accepted_by_position"])
             if "accepted_lengths" in stats:
                 r.update(accepted_lengths=list(stats["accepted_lengths"]), draft_seconds=stats.get("draft_seconds"),
-                         verify_seconds=stats.get("verify_seconds"))
+                         verify_seconds=stats.get("verify_seconds"), target_seconds=counter.seconds)
     for r in results.values():
         r["seconds"] = statistics.median(r["seconds_all"])
     return results, outputs
@@ -391,9 +428,12 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return min(len(a), len(b))
 
 
-def _aggregate(records: list[dict], names: list[str]) -> dict:
+def _aggregate(records: list[dict], names: list[str], ideals: dict[str, float] | None = None) -> dict:
     """Per category (and 'overall'): tokens/s = total new tokens / total median seconds; speedups are ratios
-    of tokens/s; tau = total new tokens / total target forwards."""
+    of tokens/s; tau = total new tokens / total target forwards. For selfspec rows, per step: drafting,
+    verifying, the target's forwards and the engine's own time (the rest). For an oracle row (`ideals`:
+    its expected tokens per step), the ideal tokens/s, that many tokens per plain greedy step."""
+    ideals = ideals or {}
     groups: dict[str, list[dict]] = {}
     for rec in records:
         groups.setdefault(rec["category"], []).append(rec)
@@ -419,10 +459,21 @@ def _aggregate(records: list[dict], names: list[str]) -> dict:
                 # per target forward, the prefill included (as in tau)
                 row[name]["draft_ms_per_step"] = 1000 * sum(r["results"][name]["draft_seconds"] for r in recs) / forwards
                 row[name]["verify_ms_per_step"] = 1000 * sum(r["results"][name]["verify_seconds"] for r in recs) / forwards
+                if all(r["results"][name].get("target_seconds") is not None for r in recs):
+                    target_s = sum(r["results"][name]["target_seconds"] for r in recs)
+                    draft_s = sum(r["results"][name]["draft_seconds"] for r in recs)
+                    row[name]["target_ms_per_step"] = 1000 * target_s / forwards
+                    # what neither the target's forwards nor the drafter took: masks, acceptance, cache commits
+                    row[name]["engine_ms_per_step"] = 1000 * (seconds - target_s - draft_s) / forwards
         for name in names:
             for ref, key in ((BASELINE, "speedup_vs_greedy"), (PLD, "speedup_vs_pld")):
                 if ref in row and row[ref]["tokens_per_s"]:
                     row[name][key] = row[name]["tokens_per_s"] / row[ref]["tokens_per_s"]
+            if name in ideals and row[BASELINE]["tokens_per_s"]:
+                # a plain step's cost is the baseline's seconds per token (tau 1)
+                ideal = ideals[name] * row[BASELINE]["tokens_per_s"]
+                row[name].update(ideal_tokens_per_step=ideals[name], ideal_tokens_per_s=ideal,
+                                 fraction_of_ideal=row[name]["tokens_per_s"] / ideal)
         table[cat] = row
     return table
 
@@ -478,6 +529,18 @@ def to_markdown(result: dict) -> str:
     if result["mismatches"]:
         foot += f"\n**{len(result['mismatches'])} greedy output(s) differ from the baseline.**\n"
     overall = result["per_category"]["overall"]
+    timed = [m for m in methods if "engine_ms_per_step" in overall[m]]
+    if timed:
+        foot += ("\nWhere a step's time goes (overall, ms per target forward): the target's forwards, the "
+                 "drafter, and the engine's own rest (masks, acceptance, cache commits).\n\n| method | step | "
+                 "target forward | drafter | engine | engine share | ideal tokens/s | of ideal |\n"
+                 "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n")
+        for m in timed:
+            r = overall[m]
+            step = r["target_ms_per_step"] + r["draft_ms_per_step"] + r["engine_ms_per_step"]
+            ideal = f"{r['ideal_tokens_per_s']:.1f} | {r['fraction_of_ideal']:.0%}" if "ideal_tokens_per_s" in r else "- | -"
+            foot += (f"| {m} | {step:.1f} | {r['target_ms_per_step']:.1f} | {r['draft_ms_per_step']:.1f} | "
+                     f"{r['engine_ms_per_step']:.1f} | {r['engine_ms_per_step'] / step:.1%} | {ideal} |\n")
     accepting = [m for m in methods if overall[m].get("acceptance_by_position")]
     if accepting:
         width = min(8, max(len(overall[m]["acceptance_by_position"]) for m in accepting))
@@ -629,6 +692,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="where the target and drafters run, e.g. cuda")
+    parser.add_argument("--oracle", action="append", type=float, default=[], metavar="ALPHA",
+                        help="a row drafting the baseline's own answer, each token wrong with probability "
+                             "1 - ALPHA (chains of --oracle-depth): engine cost against the ideal; repeatable")
+    parser.add_argument("--oracle-depth", type=int, default=8, help="chain length of --oracle rows")
     parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
                         help="a vLLM row (vLLM's CPU build from `make vllm`, or --vllm-python): plain decoding, "
                              "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
@@ -651,6 +718,7 @@ def main(argv=None) -> int:
         methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
         methods.append(drafter_method(spec, target, parse_tree(args.tree)))
+    methods += [oracle_method(target, alpha, args.oracle_depth) for alpha in args.oracle]
     try:
         for spec in args.vllm:
             methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out)))
@@ -684,6 +752,7 @@ def _run(args, argv, target, tokenizer, questions, methods) -> int:
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
                               args.pld_tokens, drafters=args.drafter, vllm=args.vllm or None,
+                              oracle=args.oracle or None, oracle_depth=args.oracle_depth if args.oracle else None,
                               tree=parse_tree(args.tree) or None)
     paths = write_outputs(result, args.out, plots=not args.no_plots)
     print(to_markdown(result))

@@ -1,0 +1,82 @@
+"""The oracle drafter (a benchmark's instrument): exact output, acceptance set by alpha alone, and a clear
+error without the answer; and its bench row, with the engine's share of a step and the ideal."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB, tiny_model
+
+from infer import SelfSpecModel
+from infer.drafters.oracle import OracleDrafter, expected_tokens_per_step
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model("llama")
+
+
+def greedy_answer(target, ids, n):
+    out = target.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=[])
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_expected_tokens_per_step():
+    assert expected_tokens_per_step(0.0, 8) == 1.0
+    assert expected_tokens_per_step(1.0, 4) == 5.0
+    assert expected_tokens_per_step(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_acceptance_follows_alpha_and_output_is_exact(target, alpha):
+    ids = torch.tensor([[3, 17, 42, 8, 90, 5]])
+    answer = greedy_answer(target, ids, 240)
+    drafter = OracleDrafter(alpha, depth=4, seed=1)
+    model = SelfSpecModel(target, drafter)
+    drafter.expect([answer])
+    out = model.generate(ids, max_new_tokens=240, eos_token_id=[])
+    assert out[0, ids.shape[1]:].tolist() == answer
+    steps = model.last_stats["accepted_lengths"][:-1]  # the last step may be cut by the budget
+    mean = sum(steps) / len(steps)
+    # alpha 0 and 1 are exact; 0.6 over ~100 steps within about three standard errors of the 2.31 expected
+    assert mean == pytest.approx(expected_tokens_per_step(alpha, 4), abs=0.3 if 0 < alpha < 1 else 1e-9)
+
+
+def test_answer_is_required_and_checked(target):
+    ids = torch.tensor([[3, 17, 42, 8]])
+    with pytest.raises(ValueError, match="call expect\\(\\) before generate"):
+        SelfSpecModel(target, OracleDrafter(0.8)).generate(ids, max_new_tokens=8, eos_token_id=[])
+    drafter = OracleDrafter(0.8)
+    answer = greedy_answer(target, ids, 8)
+    drafter.expect([[(answer[0] + 1) % VOCAB] + answer[1:]])
+    with pytest.raises(ValueError, match="needs the target's own greedy output"):
+        SelfSpecModel(target, drafter).generate(ids, max_new_tokens=8, eos_token_id=[])
+    with pytest.raises(ValueError, match="alpha must be in"):
+        OracleDrafter(1.5)
+
+
+def test_bench_oracle_row_reports_engine_share_and_ideal(tmp_path):
+    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = bench
+    spec.loader.exec_module(bench)
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_bench import tiny_target, tiny_tokenizer
+
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    questions = [{"question_id": 1, "category": "a", "turns": ["w10 w11 w12"]},
+                 {"question_id": 2, "category": "b", "turns": ["w30 w31"]}]
+    methods = [bench.hf_method(target, bench.BASELINE), bench.oracle_method(target, 1.0, depth=3)]
+    result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=24, progress=False, warmup=False)
+    row = result["per_category"]["overall"]["oracle:1"]
+    assert not result["mismatches"]
+    assert row["tau"] == pytest.approx(48 / (2 + 2 * 6))  # per question: the prefill, then 6 steps of 4 (the last 3 + 1)
+    assert row["ideal_tokens_per_step"] == 4.0 and row["fraction_of_ideal"] > 0
+    assert row["target_ms_per_step"] > 0 and "engine_ms_per_step" in row
+    assert "| oracle:1 |" in bench.to_markdown(result).split("Where a step's time goes")[1]
