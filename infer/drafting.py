@@ -22,7 +22,6 @@ class TargetStep:
 
     tokens: torch.Tensor  # [B, A]; the prompt after the prefill, root + accepted drafts after a verify
     valid: torch.Tensor  # [B, A] bool; valid slots are contiguous (left padding at prefill, right after)
-    positions: torch.Tensor  # [B, A] position ids of those tokens
     hidden: tuple[torch.Tensor, ...]  # one [B, A, D] per index in the drafter's `feature_layers`
     next_tokens: torch.Tensor  # [B] the target's token after each row's last valid slot: the next root
     # The target's raw logits for the proposed tree's `scored` nodes ([B, E, V]; None if it had none) and

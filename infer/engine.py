@@ -307,7 +307,7 @@ class SelfSpecModel:
         kv.mark_valid(valid)
         logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
         root = next_token(logits[:, -1], settings.sampling, generator)
-        return TargetStep(tokens=input_ids, valid=valid, positions=depth, next_tokens=root,
+        return TargetStep(tokens=input_ids, valid=valid, next_tokens=root,
                           hidden=self._features(out))
 
     def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor):
@@ -330,7 +330,7 @@ class SelfSpecModel:
         kv.commit(start, acc.path, keep)  # scored nodes' slots lie past the path: dropped with the rejected
         hidden = tuple(h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1])) for h in self._features(out))
         step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
-                          positions=kv.pos[:, start:], hidden=hidden, next_tokens=acc.bonus)
+                          hidden=hidden, next_tokens=acc.bonus)
         if tree.scored is not None:
             step.scored_logits, step.scored_valid = out.logits[:, n:], tree.scored.valid
         return step, acc

@@ -142,7 +142,3 @@ def tree_from_paths(paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.T
         ranks.append(path[-1])
     return torch.tensor(parents), torch.tensor(ranks)
 
-
-def chain_paths(length: int) -> list[tuple[int, ...]]:
-    """The single-branch tree of `length` top-1 drafts."""
-    return [(0,) * d for d in range(1, length + 1)]

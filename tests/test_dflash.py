@@ -80,7 +80,7 @@ def test_drafting_from_the_cache_equals_the_training_layout(arch):
     out, feats = _hidden(target, drafter, ids, mask)
     valid = mask.bool()
     root = torch.tensor([7, 9])
-    adapter.observe(TargetStep(ids, valid, (valid.long().cumsum(1) - 1).clamp(min=0), feats, root))
+    adapter.observe(TargetStep(ids, valid, feats, root))
     rows = [ids[0].tolist(), ids[1, 2:].tolist()]
     got = adapter._block_logits()
     for b in range(2):
@@ -98,7 +98,7 @@ def test_drafting_from_the_cache_equals_the_training_layout(arch):
     step_hidden = tuple(torch.stack([torch.nn.functional.pad(hidden[b][i], (0, 0, 0, 3 - hidden[b][i].shape[0]))
                                      for b in range(2)]) for i in range(len(feats)))
     nxt = torch.tensor([11, 13])
-    adapter.observe(TargetStep(step_ids, keep, torch.zeros_like(step_ids), step_hidden, nxt))
+    adapter.observe(TargetStep(step_ids, keep, step_hidden, nxt))
     got = adapter._block_logits()
     for b in range(2):
         torch.testing.assert_close(got[b], _layout_logits(target, drafter, full[b], int(nxt[b])),
@@ -115,7 +115,7 @@ def test_sampled_chain_carries_q_and_tree_is_deterministic():
         adapter.bind(target, sampling, batch_size=2, generator=torch.Generator().manual_seed(0))
         out, feats = _hidden(target, drafter, ids)
         valid = torch.ones_like(ids, dtype=torch.bool)
-        adapter.observe(TargetStep(ids, valid, valid.long().cumsum(1) - 1, feats, torch.tensor([4, 5])))
+        adapter.observe(TargetStep(ids, valid, feats, torch.tensor([4, 5])))
         proposed = adapter.propose(torch.tensor([10, 3]))
         depth, _ = proposed.depth_and_ancestors()
         assert (depth[proposed.valid] <= torch.tensor([10, 3])[:, None].expand_as(depth)[proposed.valid]).all()

@@ -476,7 +476,7 @@ def test_medusa_vllm_export_keys_shapes_and_reimport(share, tmp_path):
 def prefill_step(target, drafter, ids, mask) -> TargetStep:
     out, feats = features(target, drafter, ids, mask)
     valid = mask.bool()
-    return TargetStep(tokens=ids, valid=valid, positions=(valid.long().cumsum(1) - 1).clamp(min=0), hidden=feats,
+    return TargetStep(tokens=ids, valid=valid, hidden=feats,
                       next_tokens=out.logits[:, -1].argmax(-1))
 
 

@@ -214,7 +214,7 @@ def test_lookup_first_takes_the_chain_only_on_a_long_enough_match():
     d.bind(None, None, 2)
     # with their roots, row 0 ends in a repeated bigram (8 9), row 1 in a repeated unigram (2)
     seqs = torch.tensor([[7, 8, 9, 1, 7, 8], [7, 8, 9, 1, 2, 3]])
-    d.observe(TargetStep(seqs, torch.ones_like(seqs, dtype=torch.bool), seqs, (), torch.tensor([9, 2])))
+    d.observe(TargetStep(seqs, torch.ones_like(seqs, dtype=torch.bool), (), torch.tensor([9, 2])))
     tree = d.propose(torch.tensor([5, 5]))
     assert tree.tokens[0][tree.valid[0]].tolist() == [9, 1, 7, 8, 9]  # the copy of "7 8 | 9 1 7 8 ..."
     assert tree.tokens[1][tree.valid[1]].tolist() == [2, 50]  # a unigram match only: the primary's tree

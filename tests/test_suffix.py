@@ -117,7 +117,7 @@ def test_fallback_takes_rows_whose_match_is_short():
     d.bind(None, None, 2)
     # with their roots, row 0 ends in a repeated trigram (7 8 9), row 1 in a repeated unigram (2)
     seqs = torch.tensor([[7, 8, 9, 1, 7, 8], [7, 8, 9, 2, 4, 3]])
-    d.observe(TargetStep(seqs, torch.ones_like(seqs, dtype=torch.bool), seqs, (), torch.tensor([9, 2])))
+    d.observe(TargetStep(seqs, torch.ones_like(seqs, dtype=torch.bool), (), torch.tensor([9, 2])))
     tree = d.propose(torch.tensor([5, 5]))
     assert tree.tokens[0][tree.valid[0]].tolist() == [9, 1, 7, 8, 9]  # 3 + 2 nodes of "7 8 9 | 1 7 8 9"
     assert tree.tokens[1][tree.valid[1]].tolist() == [2, 50]  # the fallback's tree

@@ -16,10 +16,11 @@ fitted online as a + b * drafts, so the marginal cost of a draft token is c_draf
 wider verify is not free). Nothing here affects which tokens are emitted,
 only how many are proposed, so exactness never depends on it.
 
-The same comparison decides whether to draft at all: once a few steps are measured, a step drafts only
-if drafting steps have produced tokens faster than a plain step would (`worth_drafting`). A drafter that
-does not pay on this machine (a shallow early exit, say) then costs a probe step in `PROBE`, not every
-step, and resumes drafting when a probe shows its acceptance has come back.
+The same comparison decides whether to draft at all: once `MEASURED` drafting steps have settled the
+calibration, a step drafts only if drafting steps have produced tokens faster than a plain step would
+(`worth_drafting`). A drafter that does not pay on this machine (a shallow early exit, say) then costs a
+probe step in `PROBE`, not every step, and resumes drafting when probes show its acceptance has come back
+(a probe's drafting time, which includes catching up on the skipped tokens, does not count as draft cost).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 
 BINS = 20
 PROBE = 8  # a drafter that does not pay still drafts one step in PROBE, to notice when it would again
-MEASURED = 4  # drafting steps judged before worth_drafting may say no
+MEASURED = 16  # drafting steps judged before worth_drafting may say no (the calibration settles first)
 
 
 class AdaptiveLength:
@@ -51,6 +52,7 @@ class AdaptiveLength:
         self._proposed_at = None
         self.judged_steps = 0  # drafting steps measured so far
         self.idle = 0  # steps skipped since the last drafting step
+        self._probe = False  # this step drafts after skipped ones
 
     def new_generation(self) -> None:
         """Forget a step left half-done (calibration and costs carry over between generations)."""
@@ -66,10 +68,11 @@ class AdaptiveLength:
         # unlike a fitted intercept it cannot be thrown far off by a few noisy steps
         drafting = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
         if drafting * self.step_cost > 1.0:
-            self.idle = 0
+            self.idle, self._probe = 0, False
             return True
         self.idle += 1
-        return self.idle % PROBE == 0
+        self._probe = self.idle % PROBE == 0
+        return self._probe
 
     def start(self, rows: int) -> None:
         """A new step of `rows` chains begins."""
@@ -115,7 +118,8 @@ class AdaptiveLength:
         """Drafting for this step is over (the engine verifies next)."""
         now = time.perf_counter()
         n = max(len(c) for c in self._confidence) if self._confidence else 0
-        if n:
+        # a probe's drafting includes catching up on the skipped steps' tokens: not the cost of a draft token
+        if n and not self._probe:
             self.draft_cost = _average(self.draft_cost, (now - self._draft_started) / n)
         self.mean_drafted = _average(self.mean_drafted, float(n))
         self._drafted_now = n

@@ -40,7 +40,7 @@ class DraftModelDrafter(Drafter):
         super().bind(target, sampling, batch_size, generator)
         self.kv = KVState(batch_size, target.device, self.model.config)
         self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
-        self.start = self.fed = self.pend_width = 0
+        self.start = self.fed = 0
         self.off = False  # set once a row outgrows the draft model's context
         if self.length is not None:
             self.length.new_generation()
@@ -82,7 +82,7 @@ class DraftModelDrafter(Drafter):
     def _skip_drafting(self) -> DraftTree:
         """Nothing to draft; the root reaches the draft cache with the next block."""
         b = self.roots.shape[0]
-        self.start, self.fed, self.pend_width = self.kv.size, 0, 0
+        self.start, self.fed = self.kv.size, 0
         self.pend_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.roots.device)
         self.pending = [torch.cat([p, self.roots[r:r + 1]]) for r, p in enumerate(self.pending)]
         return chain_tree(self.roots, self.roots.new_zeros(b, 0), torch.zeros(b, dtype=torch.long))
@@ -98,7 +98,7 @@ class DraftModelDrafter(Drafter):
             seq = torch.cat([pend, self.roots[row:row + 1]])
             block[row, width - len(seq):] = seq
             valid[row, width - len(seq):] = True
-        self.start, self.fed, self.pend_width = self.kv.size, 0, width - 1
+        self.start, self.fed = self.kv.size, 0
         self.pend_valid = valid[:, :-1]
         return block, valid
 
