@@ -29,7 +29,7 @@ from transformers.pytorch_utils import Conv1D
 from ..cpu_linear import Int4Linear, Int8Linear, int4_fits
 from .draft_model import DraftModelDrafter
 
-MAX_TOKENS = 8
+MAX_TOKENS = 12
 
 
 def _copy_of(target) -> nn.Module:
