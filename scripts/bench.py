@@ -347,8 +347,13 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
         with torch.inference_mode():
             if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
                 ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
+                reference = None
                 for m in tqdm(methods, desc="warm-up", disable=not progress):
-                    m.run(ids, min(max_new_tokens, 32))
+                    if m.before is not None:
+                        m.before(reference)
+                    out, _ = m.run(ids, min(max_new_tokens, 32))
+                    if reference is None:  # methods[0], the baseline
+                        reference = _new_tokens(out, ids.shape[1], eos)
                     if m.reset is not None:  # the warm-up answer must not help the first question
                         m.reset()
             work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn

@@ -73,7 +73,7 @@ def test_bench_oracle_row_reports_engine_share_and_ideal(tmp_path):
     questions = [{"question_id": 1, "category": "a", "turns": ["w10 w11 w12"]},
                  {"question_id": 2, "category": "b", "turns": ["w30 w31"]}]
     methods = [bench.hf_method(target, bench.BASELINE), bench.oracle_method(target, 1.0, depth=3)]
-    result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=24, progress=False, warmup=False)
+    result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=24, progress=False)
     row = result["per_category"]["overall"]["oracle:1"]
     assert not result["mismatches"]
     assert row["tau"] == pytest.approx(48 / (2 + 2 * 6))  # per question: the prefill, then 6 steps of 4 (the last 3 + 1)
