@@ -117,12 +117,13 @@ def rotary_embeddings(rotary: nn.Module | None, x: torch.Tensor, position_ids: t
 def call_layer(module: nn.Module, hidden: torch.Tensor, *, attention_mask, position_ids, past_key_values,
                cache_position=None, position_embeddings=None) -> torch.Tensor:
     """Call a decoder layer (or its `self_attn`) with the keyword arguments its forward names; `out[0]` if it
-    returns a tuple. The cache goes in as `past_key_values` or, where the class names it so, `layer_past`."""
+    returns a tuple. The cache goes in under the name the class gives it: `cache` (transformers >= 5.24),
+    `past_key_values` or `layer_past`."""
     kwargs = dict(attention_mask=attention_mask, position_ids=position_ids, cache_position=cache_position,
-                  position_embeddings=position_embeddings, past_key_values=past_key_values,
+                  position_embeddings=position_embeddings, cache=past_key_values, past_key_values=past_key_values,
                   layer_past=past_key_values, use_cache=past_key_values is not None)
     accepted = _accepted(module.forward, kwargs)
-    if past_key_values is not None and not {"past_key_values", "layer_past"} & set(accepted):
+    if past_key_values is not None and not {"cache", "past_key_values", "layer_past"} & set(accepted):
         raise ValueError(f"{type(module).__name__}.forward takes no KV cache argument we know")
     out = module(hidden, **accepted)
     return out[0] if isinstance(out, tuple) else out

@@ -64,9 +64,9 @@ class PackCache:
 
 def _forward(layer: nn.Linear, plain_forward, cache: PackCache):
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features]; one row (decode) or autograd -> the plain path
-        if (x.numel() == x.shape[-1] or torch.is_grad_enabled() or x.dtype != torch.float32
-                or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
+        # x: [..., in_features]; one row (decode), autograd or torch.compile tracing -> the plain path
+        if (x.numel() == x.shape[-1] or torch.is_grad_enabled() or torch.compiler.is_compiling()
+                or x.dtype != torch.float32 or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
             return plain_forward(x)
         return torch.ops.mkldnn._linear_pointwise(x, cache.get(layer.weight), layer.bias, "none", [], "")
     return forward

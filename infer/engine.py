@@ -164,17 +164,27 @@ class SelfSpecModel:
     """
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
-                 cpu_prepack: bool | None = None, lookup_first: bool = False):
+                 cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
         prepacked oneDNN weights (`infer.cpu_linear`); None = on for an fp32 CPU target whose linear weights
-        take at most a quarter of RAM."""
+        take at most a quarter of RAM. `compile`: run the drafter's own one-token forwards through
+        `torch.compile` where it has any (the draft-model and self-drafters: `bf16`, `int8`, `int4`,
+        `early_exit`, ...); the first generate pays the compile. The target's verify is not compiled: on CPU
+        it did not pay (docs/benchmarks.md)."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         _check_maskable(target)
         self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
         self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first)
         self.typical_acceptance = typical_acceptance
+        if compile:
+            own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
+            if hasattr(own, "compile_forwards"):
+                own.compile_forwards()
+            else:
+                warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile; "
+                              "it drafts as before", stacklevel=2)
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():
             raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")

@@ -14,6 +14,8 @@ cache with `torch.cat` on every forward of every layer (SmolLM2-135M at 300 toke
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer
@@ -86,8 +88,11 @@ class KVState:
     Invariant: `length == valid.sum(1)`, the position id the next token of each row gets.
     """
 
-    def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None):
-        self.cache = RoomyCache()
+    def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None,
+                 roomy: bool = True):
+        # roomy=False: transformers' own DynamicCache, which torch.compile traces (RoomyLayer's buffer checks
+        # would break a compiled graph at every layer)
+        self.cache = RoomyCache() if roomy else DynamicCache()
         self.layout, self.windows = attention_layout(config)
         self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
         self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
@@ -189,8 +194,21 @@ def forward_block(model, kv: KVState, depth, ancestors, node_valid, *, input_ids
     """Run `model` on a block of nodes placed after the cache; the new slots stay uncommitted."""
     dtype = model.dtype if inputs_embeds is None else inputs_embeds.dtype
     position_ids, cache_position, mask = kv.tree_inputs(depth, ancestors, node_valid, dtype)
+    kwargs[cache_argument(model)] = kv.cache
     out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask,
-                position_ids=position_ids, past_key_values=kv.cache, cache_position=cache_position,
-                use_cache=True, **kwargs)
+                position_ids=position_ids, cache_position=cache_position, use_cache=True, **kwargs)
     kv.appended(position_ids, node_valid)
     return out
+
+
+_CACHE_ARGUMENT: dict[type, str] = {}
+
+
+def cache_argument(model) -> str:
+    """The keyword a transformers model's forward takes its KV cache by: `cache` from transformers 5.24
+    (where `past_key_values` is deprecated), `past_key_values` before and in classes not yet renamed."""
+    cls = type(getattr(model, "_orig_mod", model))  # a torch.compile'd model: the class it wraps
+    if cls not in _CACHE_ARGUMENT:
+        params = inspect.signature(getattr(cls, "forward", cls.__call__)).parameters
+        _CACHE_ARGUMENT[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_ARGUMENT[cls]

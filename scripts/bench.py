@@ -158,10 +158,10 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
     return Method(name, run, engine="transformers")
 
 
-def engine_method(target, drafter, name: str, lookup_first: bool = False) -> Method:
+def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False) -> Method:
     from infer import SelfSpecModel
 
-    model = SelfSpecModel(target, drafter, lookup_first=lookup_first)
+    model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -208,8 +208,8 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
 
     `tree` overrides a trained drafter's saved drafting settings (e.g. depth, top_k, total_tokens)."""
-    if spec.endswith(LOOKUP_SUFFIX):
-        raise ValueError(f"strip {LOOKUP_SUFFIX!r} before load_drafter (see drafter_method)")
+    if spec.endswith((LOOKUP_SUFFIX, COMPILE_SUFFIX)):
+        raise ValueError(f"strip {LOOKUP_SUFFIX!r} and {COMPILE_SUFFIX!r} before load_drafter (see drafter_method)")
     from infer.drafters import DRAFTERS
 
     if spec.partition(":")[0] in DRAFTERS:  # a drafter by name: ngram, gguf, int8, bf16, early_exit:<k>, ...
@@ -236,6 +236,7 @@ def drafter_label(folder: str, drafter) -> str:
 
 
 LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
+COMPILE_SUFFIX = "+compile"  # `--drafter <spec>+compile`: SelfSpecModel(..., compile=True)
 
 
 def _serve_module():
@@ -290,12 +291,15 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
 
 
 def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
-    lookup_first = spec.endswith(LOOKUP_SUFFIX)
-    base = spec[: -len(LOOKUP_SUFFIX)] if lookup_first else spec
+    base, options = spec, []
+    for suffix in (COMPILE_SUFFIX, LOOKUP_SUFFIX, COMPILE_SUFFIX):  # either order
+        if base.endswith(suffix):
+            base, options = base[: -len(suffix)], [suffix, *options]
     name, drafter = load_drafter(base, target, tree)
     if isinstance(drafter, torch.nn.Module):
         drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
-    return engine_method(target, drafter, name + (LOOKUP_SUFFIX if lookup_first else ""), lookup_first)
+    return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
+                         COMPILE_SUFFIX in options)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -677,7 +681,8 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", action="append", default=[],
                         help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
                              "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
-                             f"{LOOKUP_SUFFIX!r} (prompt lookup first); repeat for several")
+                             f"{LOOKUP_SUFFIX!r} (prompt lookup first) and/or {COMPILE_SUFFIX!r} (the drafter's "
+                             "forwards compiled); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")

@@ -22,11 +22,13 @@ import torch
 
 def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
     """Median seconds of one forward over n new tokens after a `context`-token prefix, per n."""
+    from infer.kv import cache_argument
+
     vocab = model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, vocab, (1, context), generator=g)
     with torch.inference_mode():
-        cache = model(prefix, use_cache=True).past_key_values
+        cache = model(prefix, use_cache=True)[cache_argument(model)]
         out = {}
         for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=g)
@@ -35,7 +37,7 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
             for _ in range(repeats + 1):  # the first run is a warm-up
                 kv = copy.deepcopy(cache)
                 tic = time.perf_counter()
-                model(ids, past_key_values=kv, position_ids=pos, use_cache=True)
+                model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv})
                 times.append(time.perf_counter() - tic)
             out[n] = statistics.median(times[1:])
     return out

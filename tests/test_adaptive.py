@@ -71,3 +71,46 @@ def test_drafting_resumes_when_a_probe_finds_acceptance_back(clock):
     # the drafter's guesses start being kept: the probes measure it and drafting comes back for good
     answers = run_steps(length, clock, 6 * PROBE, draft_s=0.03, verify_s=0.1, confidence=0.9, accepted=3)
     assert all(answers[-PROBE:])
+
+
+def test_an_untimed_step_is_not_a_draft_cost(clock):
+    # the first step compiles the draft forward (60 s); a paying drafter must not be judged by it
+    length = AdaptiveLength(max_tokens=3)
+    length.worth_drafting()
+    length.start(1)
+    length.untimed()
+    clock.now += 60.0
+    length.keep_going(0, 0.9)
+    length.drafted()
+    clock.now += 0.1
+    length.judged(torch.tensor([1]))
+    answers = run_steps(length, clock, MEASURED + 2 * PROBE, draft_s=0.01, verify_s=0.1, confidence=0.9,
+                        accepted=2)
+    assert all(answers)
+    assert length.draft_cost == pytest.approx(0.01)
+
+
+def test_catching_up_is_not_counted_per_draft_token(clock):
+    # each step's first draft also catches up on the committed tokens (50 ms); later drafts cost 5 ms. The
+    # target rejects everything for 20 steps, which cuts chains to one token and stops drafting, then keeps
+    # everything: counted per token, a one-token chain costs 50 ms a draft and drafting never came back
+    length = AdaptiveLength(max_tokens=8)
+    depths = []
+    for step in range(300):
+        if not length.worth_drafting():
+            clock.now += 0.03
+            length.judged(torch.tensor([0]))
+            depths.append(0)
+            continue
+        length.start(1)
+        clock.now += 0.05
+        depth = 1
+        while length.keep_going(0, 0.99):
+            clock.now += 0.005
+            depth += 1
+        length.drafted()
+        clock.now += 0.03
+        length.judged(torch.tensor([depth if step >= 20 else 0]))
+        depths.append(depth)
+    assert length.draft_cost == pytest.approx(0.005)
+    assert depths[-100:] == [8] * 100

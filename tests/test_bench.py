@@ -116,7 +116,7 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
 
     # The same run with an engine that emits a wrong token must fail under --strict.
     real = bench.engine_method
-    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, lookup_first=False: broken_method(target))
+    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, *options: broken_method(target))
     assert bench.main(argv) == 1
     monkeypatch.setattr(bench, "engine_method", real)
 
@@ -173,6 +173,8 @@ def test_saved_drafter_with_tree_override(questions_file, tmp_path):
     assert (drafter.config.tree["depth"], drafter.config.tree["total_tokens"]) == (2, 4)
     lookup = bench.drafter_method(str(tmp_path / "eagle") + "+lookup", target)
     assert lookup.name == "eagle:eagle+lookup"
+    for spec in ("early_exit:1+compile+lookup", "early_exit:1+lookup+compile"):  # either order
+        assert bench.drafter_method(spec, target).name == "early_exit:1" + spec.partition("1")[2]
     methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name), lookup]
     result = bench.run_bench(target, tokenizer, bench.load_questions(questions_file), methods, max_new_tokens=8,
                              progress=False, warmup=False)

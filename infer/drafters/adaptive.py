@@ -11,9 +11,12 @@ confidence (Li et al. 2024b).
 The drafter's own probability is not the target's acceptance rate, so it is calibrated online: drafted
 tokens are binned by the drafter's confidence, and each bin counts how often the target accepted such a
 token whose parent it had accepted, shrunk towards the acceptance rate over all bins while a bin has
-few counts. The draft cost is a running average of wall time per drafted token; a verify step's cost is
-fitted online as a + b * drafts, so the marginal cost of a draft token is c_draft + b (on a CPU a
-wider verify is not free). Nothing here affects which tokens are emitted,
+few counts. The draft cost is a running average of the wall time between consecutive drafted tokens,
+measured apart from a step's whole drafting time: a step's first draft also pays for catching up on
+the tokens just committed, a fixed cost per step that one token more or less does not change (counted
+per token, it kept chains at one token for good once they got there). A verify step's cost is fitted
+online as a + b * drafts, so the marginal cost of a draft token is c_draft + b (on a CPU a wider
+verify is not free). Nothing here affects which tokens are emitted,
 only how many are proposed, so exactness never depends on it.
 
 The same comparison decides whether to draft at all: once `MEASURED` drafting steps have settled the
@@ -43,7 +46,8 @@ class AdaptiveLength:
         self.max_tokens, self.min_tokens, self.decay, self.prior = max_tokens, min_tokens, decay, prior
         self.kept = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of accepted drafts per bin
         self.seen = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of judged drafts per bin
-        self.draft_cost = None  # seconds per drafted token (running average)
+        self.draft_cost = None  # seconds between consecutive drafted tokens (running average)
+        self.draft_time = None  # seconds of drafting per step, catch-up included (running average)
         self.step_cost = None  # seconds per verify step, drafting excluded (running average)
         self.fit = torch.zeros(5, dtype=torch.float64)  # decayed sums 1, n, t, n*n, n*t of (drafts, verify s)
         self.tokens_per_step = None  # tokens emitted per step (running average)
@@ -53,6 +57,7 @@ class AdaptiveLength:
         self.judged_steps = 0  # drafting steps measured so far
         self.idle = 0  # steps skipped since the last drafting step
         self._probe = False  # this step drafts after skipped ones
+        self._untimed = False  # this step's drafting included one-off work (a compile): not a draft cost
 
     def new_generation(self) -> None:
         """Forget a step left half-done (calibration and costs carry over between generations)."""
@@ -62,11 +67,11 @@ class AdaptiveLength:
     def worth_drafting(self) -> bool:
         """Whether this step should draft at all: True while too little is measured, when the steps that
         drafted produced more tokens per second than plain steps would, and for one probe step in PROBE."""
-        if self.judged_steps < MEASURED:
+        if self.judged_steps < MEASURED or self.draft_time is None:
             return True
         # a plain step costs at most a verify step with drafts (step_cost): that errs towards drafting, and
         # unlike a fitted intercept it cannot be thrown far off by a few noisy steps
-        drafting = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
+        drafting = self.tokens_per_step / (self.step_cost + self.draft_time)
         if drafting * self.step_cost > 1.0:
             self.idle, self._probe = 0, False
             return True
@@ -78,13 +83,22 @@ class AdaptiveLength:
         """A new step of `rows` chains begins."""
         self._confidence = [[] for _ in range(rows)]
         self._cum = [1.0] * rows
+        self._untimed = False
         self._draft_started = time.perf_counter()
+        self._first_draft = self._last_draft = None  # when the step's first and latest drafts were made
+
+    def untimed(self) -> None:
+        """This step's drafting did one-off work (compiling a graph): its wall time is not a draft cost."""
+        self._untimed = True
 
     def keep_going(self, row: int, confidence: float) -> bool:
         """Record row's newest draft (the drafter's probability for it); True if drafting one more pays."""
         self._confidence[row].append(confidence)
         self._cum[row] *= self.accept_rate(confidence)
         depth = len(self._confidence[row])
+        self._last_draft = time.perf_counter()
+        if depth == 1 and self._first_draft is None:
+            self._first_draft = self._last_draft
         if depth < self.min_tokens:
             return True
         if depth >= self.max_tokens:
@@ -95,7 +109,7 @@ class AdaptiveLength:
         """Cumulative acceptance below which another draft token lowers tokens per second."""
         if self.draft_cost is None or self.step_cost is None or self.tokens_per_step is None:
             return 0.0  # nothing measured yet: draft to max_tokens once
-        pace = self.tokens_per_step / (self.step_cost + self.draft_cost * self.mean_drafted)
+        pace = self.tokens_per_step / (self.step_cost + self.draft_time)
         return (self.draft_cost + self.verify_slope()) * pace
 
     def verify_slope(self) -> float:
@@ -118,9 +132,14 @@ class AdaptiveLength:
         """Drafting for this step is over (the engine verifies next)."""
         now = time.perf_counter()
         n = max(len(c) for c in self._confidence) if self._confidence else 0
-        # a probe's drafting includes catching up on the skipped steps' tokens: not the cost of a draft token
-        if n and not self._probe:
-            self.draft_cost = _average(self.draft_cost, (now - self._draft_started) / n)
+        # a probe's drafting includes catching up on the skipped steps' tokens, an untimed step a compile:
+        # neither is what drafting costs
+        if n and not (self._probe or self._untimed):
+            self.draft_time = _average(self.draft_time, now - self._draft_started)
+            if n > 1:
+                self.draft_cost = _average(self.draft_cost, (self._last_draft - self._first_draft) / (n - 1))
+            elif self.draft_cost is None:
+                self.draft_cost = now - self._draft_started
         self.mean_drafted = _average(self.mean_drafted, float(n))
         self._drafted_now = n
         self._proposed_at = now

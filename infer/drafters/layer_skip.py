@@ -20,6 +20,8 @@ memory beyond that cache. The last decoder layer is always kept (its output is w
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..drafting import TargetStep
@@ -65,6 +67,10 @@ class LayerSkipDrafter(DraftModelDrafter):
         super().__init__(shallow_model(target, list(range(self.layers))), num_tokens=MAX_TOKENS, adaptive=True)
         self.skipped: list[int] = []  # layers the current request's draft skips
         self.alpha: float | None = None  # measured agreement of that choice with the target
+
+    def compile_forwards(self) -> None:
+        warnings.warn("compile=True: layerskip picks a new set of layers for every request, each of which would "
+                      "compile anew (about a minute); it drafts without compiling", stacklevel=3)
 
     def observe(self, step: TargetStep) -> None:
         if self.kv.size == 0 and not self.off:

@@ -13,6 +13,8 @@ drafter then drafts plainly (one token per forward), which keeps sampling exact.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..kv import forward_block, prompt_tree
@@ -29,6 +31,10 @@ class StagedDrafter(DraftModelDrafter):
         super().__init__(model, num_tokens=num_tokens, adaptive=adaptive)
         self.inner = NgramDrafter(num_tokens=guess_tokens)
         self.node_slot: list[list[int]] = []  # per row, the chain slot of each fed node (root first)
+
+    def compile_forwards(self) -> None:
+        warnings.warn("compile=True: staged drafting feeds the draft model blocks of every length the guess "
+                      "takes; it drafts without compiling", stacklevel=3)
 
     def bind(self, target, sampling, batch_size, generator=None):
         super().bind(target, sampling, batch_size, generator)
