@@ -114,3 +114,17 @@ def test_catching_up_is_not_counted_per_draft_token(clock):
         depths.append(depth)
     assert length.draft_cost == pytest.approx(0.005)
     assert depths[-100:] == [8] * 100
+
+
+def test_rows_drafted_one_after_another_are_timed_per_row(clock):
+    # llama.cpp drafts row 0's chain, then row 1's, each after its own 50 ms catch-up: a draft still costs 5 ms
+    length = AdaptiveLength(max_tokens=4)
+    length.start(2)
+    for row in range(2):
+        clock.now += 0.05
+        for _ in range(4):
+            length.keep_going(row, 0.9)
+            clock.now += 0.005
+    length.drafted()
+    assert length.draft_cost == pytest.approx(0.005)
+    assert length.draft_time == pytest.approx(0.14)

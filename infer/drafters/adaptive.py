@@ -85,7 +85,8 @@ class AdaptiveLength:
         self._cum = [1.0] * rows
         self._untimed = False
         self._draft_started = time.perf_counter()
-        self._first_draft = self._last_draft = None  # when the step's first and latest drafts were made
+        self._first_draft = [0.0] * rows  # per row, when its first and latest drafts were made
+        self._last_draft = [0.0] * rows
 
     def untimed(self) -> None:
         """This step's drafting did one-off work (compiling a graph): its wall time is not a draft cost."""
@@ -96,9 +97,9 @@ class AdaptiveLength:
         self._confidence[row].append(confidence)
         self._cum[row] *= self.accept_rate(confidence)
         depth = len(self._confidence[row])
-        self._last_draft = time.perf_counter()
-        if depth == 1 and self._first_draft is None:
-            self._first_draft = self._last_draft
+        self._last_draft[row] = time.perf_counter()
+        if depth == 1:
+            self._first_draft[row] = self._last_draft[row]
         if depth < self.min_tokens:
             return True
         if depth >= self.max_tokens:
@@ -136,8 +137,12 @@ class AdaptiveLength:
         # neither is what drafting costs
         if n and not (self._probe or self._untimed):
             self.draft_time = _average(self.draft_time, now - self._draft_started)
-            if n > 1:
-                self.draft_cost = _average(self.draft_cost, (self._last_draft - self._first_draft) / (n - 1))
+            # per row (rows may draft one after another, as llama.cpp's do), then over the rows
+            gaps = [(last - first) / (len(c) - 1)
+                    for c, first, last in zip(self._confidence, self._first_draft, self._last_draft, strict=True)
+                    if len(c) > 1]
+            if gaps:
+                self.draft_cost = _average(self.draft_cost, sum(gaps) / len(gaps))
             elif self.draft_cost is None:
                 self.draft_cost = now - self._draft_started
         self.mean_drafted = _average(self.mean_drafted, float(n))
@@ -166,7 +171,11 @@ class AdaptiveLength:
         self.tokens_per_step = _average(self.tokens_per_step, float(accepted.double().mean()) + 1)
 
     def select_rows(self, rows: torch.Tensor) -> None:
-        self._confidence = [self._confidence[int(r)] for r in rows] if self._confidence else []
+        if self._confidence:
+            keep = [int(r) for r in rows]
+            self._confidence = [self._confidence[r] for r in keep]
+            self._first_draft = [self._first_draft[r] for r in keep]
+            self._last_draft = [self._last_draft[r] for r in keep]
 
 
 def _average(old: float | None, new: float, weight: float = 0.2) -> float:

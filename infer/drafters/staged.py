@@ -70,6 +70,8 @@ class StagedDrafter(DraftModelDrafter):
             tree = super().propose(budget)
             self.node_slot = [list(range(self.fed))] * b
             return tree
+        if self.length is not None:
+            self.length.start(b)  # the catch-up forward is part of what drafting costs
         block, valid = self._catch_up_block()
         depth, ancestors, node_valid = prompt_tree(valid)
         logits = forward_block(self.model, self.kv, depth, ancestors, node_valid, input_ids=block,
@@ -81,8 +83,6 @@ class StagedDrafter(DraftModelDrafter):
         drafts: list[list[int]] = [[] for _ in range(b)]
         guesses: list[list[int]] = [[] for _ in range(b)]
         going = [n > 0 for n in limit]
-        if self.length is not None:
-            self.length.start(b)
         while True:
             self._take(logits, guesses, drafts, going, limit)
             if not any(going):
