@@ -51,7 +51,6 @@ class AdaptiveLength:
         self.step_cost = None  # seconds per verify step, drafting excluded (running average)
         self.fit = torch.zeros(5, dtype=torch.float64)  # decayed sums 1, n, t, n*n, n*t of (drafts, verify s)
         self.tokens_per_step = None  # tokens emitted per step (running average)
-        self.mean_drafted = float(max_tokens)  # drafts per step (running average)
         self._confidence: list[list[float]] = []  # per row, the confidences drafted this step
         self._proposed_at = None
         self.judged_steps = 0  # drafting steps measured so far
@@ -145,7 +144,6 @@ class AdaptiveLength:
                 self.draft_cost = _average(self.draft_cost, sum(gaps) / len(gaps))
             elif self.draft_cost is None:
                 self.draft_cost = now - self._draft_started
-        self.mean_drafted = _average(self.mean_drafted, float(n))
         self._drafted_now = n
         self._proposed_at = now
 

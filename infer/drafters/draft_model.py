@@ -26,6 +26,7 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.model, self.num_tokens = model.eval(), num_tokens
         self.decode = None  # the compiled one-token forward, once compile_forwards() is called
+        self.compiled_rows: set[int] = set()  # batch sizes it has compiled a graph for
         self.length = AdaptiveLength(num_tokens) if adaptive else None
         text = model.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
@@ -42,10 +43,9 @@ class DraftModelDrafter(Drafter):
     def compile_forwards(self) -> None:
         """Run the one-token draft forwards through `torch.compile` (shapes dynamic over the cache length,
         so one graph serves a whole generation); the catch-up block stays eager. The first call compiles
-        (about a minute for SmolLM2-135M on 2 CPU cores); if compiling fails, drafting goes on eagerly after
+        (about 40 s for SmolLM2-135M on 2 CPU cores); if compiling fails, drafting goes on eagerly after
         one warning naming why."""
         self.decode = torch.compile(self.model, dynamic=True)
-        self.compiled_rows: set[int] = set()  # batch sizes a graph was compiled for
 
     def bind(self, target, sampling, batch_size, generator=None):
         super().bind(target, sampling, batch_size, generator)
@@ -173,7 +173,7 @@ class DraftModelDrafter(Drafter):
                                  logits_to_keep=1)
         sizes = [layer.get_seq_length() for layer in self.kv.cache.layers]
         if self.length is not None and inputs.shape[0] not in self.compiled_rows:
-            self.length.untimed()  # this call compiles (a minute, once per batch size): not a draft cost
+            self.length.untimed()  # this call compiles (once per batch size): not a draft cost
         self.compiled_rows.add(inputs.shape[0])
         try:
             return forward_block(self.decode, self.kv, depth, ancestors, node_valid, input_ids=inputs,
