@@ -292,9 +292,9 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
 
 def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
     base, options = spec, []
-    for suffix in (COMPILE_SUFFIX, LOOKUP_SUFFIX, COMPILE_SUFFIX):  # either order
-        if base.endswith(suffix):
-            base, options = base[: -len(suffix)], [suffix, *options]
+    while base.endswith((COMPILE_SUFFIX, LOOKUP_SUFFIX)):  # in either order
+        suffix = COMPILE_SUFFIX if base.endswith(COMPILE_SUFFIX) else LOOKUP_SUFFIX
+        base, options = base[: -len(suffix)], [suffix, *options]
     name, drafter = load_drafter(base, target, tree)
     if isinstance(drafter, torch.nn.Module):
         drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
