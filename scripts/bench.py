@@ -446,9 +446,14 @@ def _aggregate(records: list[dict], names: list[str], ideals: dict[str, float] |
     groups: dict[str, list[dict]] = {}
     for rec in records:
         groups.setdefault(rec["category"], []).append(rec)
-    if any(rec.get("pass", 1) > 1 for rec in records):  # the repeated workload: each pass on its own
+    several_passes = any(rec.get("pass", 1) > 1 for rec in records)
+    if several_passes:  # the repeated workload: each pass on its own
         for rec in records:
             groups.setdefault(f"pass {rec['pass']}", []).append(rec)
+    if len({rec["turn"] for rec in records}) > 1:  # each turn on its own (per pass when there are several)
+        for rec in records:
+            label = f"turn {rec['turn']}" + (f", pass {rec['pass']}" if several_passes else "")
+            groups.setdefault(label, []).append(rec)
     groups["overall"] = records
     table = {}
     for cat, recs in groups.items():

@@ -206,6 +206,12 @@ def test_second_turns_and_repeated_workloads(questions_file):
     # the second pass drafts the first pass's answers (the warm-up's answer was forgotten)
     assert table["pass 2"]["suffix"]["tau"] > table["pass 1"]["suffix"]["tau"]
     assert "2 passes over the questions" in bench.to_markdown(repeated)
+    # turn 1, turn 2 and the repeated pass in one run: a group per turn and pass
+    both = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=8, turns=2, passes=2, progress=False)
+    table = both["per_category"]
+    assert {"turn 1, pass 1", "turn 2, pass 1", "turn 1, pass 2", "turn 2, pass 2"} <= set(table)
+    assert table["turn 2, pass 1"][bench.BASELINE]["questions"] == 1  # only question 1 has a second turn
+    assert table["turn 1, pass 1"][bench.BASELINE]["questions"] == 2
     with pytest.raises(ValueError, match="timed_from_turn"):
         bench.run_bench(target, tokenizer, questions, methods, turns=1, timed_from_turn=2, progress=False)
 
