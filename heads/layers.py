@@ -19,6 +19,8 @@ from transformers import AutoConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from infer.kv import additive_mask
+
 
 @dataclass(frozen=True)
 class ArchClasses:
@@ -131,9 +133,8 @@ def call_layer(module: nn.Module, hidden: torch.Tensor, *, attention_mask, posit
 
 def causal_mask(batch: int, length: int, past: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive [B, 1, T, past + T] mask: every query sees the whole past and the causal prefix of its block."""
-    allowed = torch.ones(length, past + length, dtype=torch.bool, device=device).tril(past)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].expand(batch, 1, length, past + length)
+    allowed = torch.ones(1, length, past + length, dtype=torch.bool, device=device).tril(past)
+    return additive_mask(allowed, dtype).expand(batch, 1, length, past + length)
 
 
 def default_positions(batch: int, length: int, past: int, device) -> torch.Tensor:

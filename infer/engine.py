@@ -37,6 +37,19 @@ from .tree import DraftTree
 from .verify import accept_greedy, accept_sampled, accept_typical
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
+# With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
+# a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
+VERIFY_ROOM = VERIFY_BUCKETS[-1]
+
+
+def verify_bucket(nodes: int) -> int:
+    """The padded node count of a verify block of `nodes` nodes."""
+    for size in VERIFY_BUCKETS:
+        if nodes <= size:
+            return size
+    return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
 
 
 def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> Drafter:
@@ -164,33 +177,56 @@ class SelfSpecModel:
     """
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
-                 cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False):
+                 cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False,
+                 static_cache: bool | int = False):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
         prepacked oneDNN weights (`infer.cpu_linear`); None = on for an fp32 CPU target whose linear weights
-        take at most a quarter of RAM. `compile`: run the drafter's own one-token forwards through
-        `torch.compile` where it has any (the draft-model and self-drafters: `bf16`, `int8`, `int4`,
-        `early_exit`, ...); the first generate pays the compile. The target's verify is not compiled: on CPU
-        it did not pay (docs/benchmarks.md)."""
+        take at most a quarter of RAM (off for the target when its verify is compiled).
+
+        `static_cache`: the target's KV cache is preallocated for the whole generation and committed in
+        place (True: room for prompt + max_new_tokens, rounded up to 256 slots and kept for later calls of
+        the same batch size while they fit; an int: that many tokens of prompt plus output, and a longer
+        request is refused before any work), with `VERIFY_ROOM` more slots for the block being verified;
+        verify blocks are padded to `VERIFY_BUCKETS` node counts, so the verify forward has a few fixed
+        shapes. The cache stays allocated between calls (`free_cache()` drops it).
+
+        `compile`: run the drafter's own one-token forwards through `torch.compile` where it has any (the
+        draft-model and self-drafters: `bf16`, `int8`, `int4`, `early_exit`, ...), and with `static_cache`
+        the target's verify forward too (one graph per bucket; CUDA graphs on a GPU). The first generate pays
+        the compiles. A compiler failure falls back to eager with one warning. On this project's CPU the
+        compiled verify did not pay (docs/benchmarks.md)."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
+        if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
+            raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static_cache!r}")
         _check_maskable(target)
         self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
         self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first)
         self.typical_acceptance = typical_acceptance
+        self.static_cache = static_cache
+        self._verify_forward = None  # the target's compiled forward for verify blocks (static cache only)
+        self._cache: KVState | None = None  # the static KV cache, kept for the next call of the same shape
         if compile:
             own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
             if hasattr(own, "compile_forwards"):
                 own.compile_forwards()
-            else:
-                warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile; "
-                              "it drafts as before", stacklevel=2)
+            elif not static_cache:
+                warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile "
+                              "and without static_cache the verify is not compiled; nothing is compiled",
+                              stacklevel=2)
+            if static_cache:
+                self._verify_forward = _CompiledForward(target)
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():
             raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
         self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
+
+    def free_cache(self) -> None:
+        """Drop the static KV cache kept between calls (the next call allocates a new one)."""
+        self._cache = None
 
     @classmethod
     def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
@@ -246,8 +282,10 @@ class SelfSpecModel:
                                "per-call state, so give each thread its own SelfSpecModel (they can share the "
                                "target)")
         try:
+            # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
+            packed_target = None if self._verify_forward is not None else self.target
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
-                    self.target, getattr(self.drafter, "model", None), cache=self._packed,
+                    packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack):
                 return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                       top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
@@ -259,6 +297,7 @@ class SelfSpecModel:
         settings = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
                                   pad_token_id, generation_config)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
+        kv = self._new_cache(input_ids, settings.max_new_tokens)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0}
         rows = self._start_rows(attention_mask, settings.max_new_tokens)
         if streamer is not None:
@@ -266,7 +305,6 @@ class SelfSpecModel:
 
         # 1. Prefill: the prompt, and the target's first token (the first root).
         tic = time.perf_counter()
-        kv = KVState(input_ids.shape[0], input_ids.device, self.target.config)
         step = self._prefill(kv, input_ids, attention_mask, settings, generator)
         stats["verify_seconds"] += time.perf_counter() - tic
         stats["target_forwards"] += 1
@@ -326,9 +364,16 @@ class SelfSpecModel:
         start = kv.size
         # Scored nodes (if any) ride after the tree nodes; the tree never attends to them.
         tokens, offsets, attend, valid = tree.verify_block(depth, ancestors)
-        out = forward_block(self.target, kv, offsets, attend, valid, input_ids=tokens,
-                            output_hidden_states=bool(self.drafter.feature_layers))
-        n = tree.num_nodes
+        n, m = tree.num_nodes, tokens.shape[1]
+        if kv.static:  # padded to a fixed node count: padding nodes see only themselves and are never kept
+            if m > kv.room():
+                warnings.warn(f"a verify block of {m} nodes does not fit the static KV cache ({kv.room()} slots "
+                              "left): it grows, and compiled verify graphs recompile", stacklevel=3)
+                kv.grow(kv.size + verify_bucket(m))
+            size = verify_bucket(m)
+            tokens, offsets, attend, valid = _pad_block(tokens, offsets, attend, valid,
+                                                        size if size <= kv.room() else m)
+        out = self._verify_forward_block(kv, tokens, offsets, attend, valid)
         logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
@@ -342,8 +387,46 @@ class SelfSpecModel:
         step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
                           hidden=hidden, next_tokens=acc.bonus)
         if tree.scored is not None:
-            step.scored_logits, step.scored_valid = out.logits[:, n:], tree.scored.valid
+            step.scored_logits, step.scored_valid = out.logits[:, n:m], tree.scored.valid
         return step, acc
+
+    def _verify_forward_block(self, kv: KVState, tokens, offsets, attend, valid):
+        """The target on a verify block: its compiled forward where there is one, else eager; a compiled
+        forward that fails (no compiler, an op it cannot take) is dropped with one warning, and what it wrote
+        into the cache is forgotten before the eager forward."""
+        hidden = bool(self.drafter.feature_layers)
+        if self._verify_forward is not None:
+            size = kv.size
+            try:
+                return forward_block(self._verify_forward, kv, offsets, attend, valid, input_ids=tokens,
+                                     output_hidden_states=hidden)
+            except Exception as err:  # noqa: BLE001 -- any compiler failure: go on eagerly, as promised
+                warnings.warn(f"compiling the target's verify forward failed ({type(err).__name__}: "
+                              f"{str(err)[:200]}); verifying goes on without compiling", stacklevel=4)
+                self._verify_forward = None
+                kv.rollback(size)
+        return forward_block(self.target, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
+
+    def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:
+        """The target's KV cache for one generate call: growing, or static with room for the whole request."""
+        batch, width = input_ids.shape
+        if not self.static_cache:
+            return KVState(batch, input_ids.device, self.target.config)
+        tokens = width + max_new_tokens
+        if self.static_cache is not True and tokens > self.static_cache:
+            raise ValueError(f"a prompt of {width} tokens (padding included) plus max_new_tokens={max_new_tokens} "
+                             f"needs {tokens} slots; the static cache holds {self.static_cache}: raise "
+                             "static_cache, shorten the request, or pass static_cache=True (sized per call)")
+        if self.static_cache is True:  # sized per call, in steps of 256 slots, never shrinking: few shapes
+            capacity = max(-(-(tokens + VERIFY_ROOM) // 256) * 256, self._cache.capacity if self._cache else 0)
+        else:
+            capacity = self.static_cache + VERIFY_ROOM
+        kv = self._cache
+        if kv is not None and (kv.capacity, kv.batch_size, kv.length.device) == (capacity, batch, input_ids.device):
+            kv.reset()  # the same buffers as the last call: compiled (and captured) graphs stay valid
+        else:
+            kv = self._cache = KVState(batch, input_ids.device, self.target.config, capacity=capacity)
+        return kv
 
     def _features(self, out) -> tuple[torch.Tensor, ...]:
         layers = self.drafter.feature_layers
@@ -483,6 +566,37 @@ class SelfSpecModel:
         if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
             raise ValueError(f"input_ids hold ids outside the target's vocabulary [0, {vocab})")
         return input_ids.to(self.target.device), attention_mask.to(self.target.device)
+
+
+class _CompiledForward:
+    """The target's forward through `torch.compile` (fixed shapes; CUDA graphs on a GPU). A function calling
+    the target is compiled, not the module: `torch.compile(module)` leaves a flag on the user's model."""
+
+    def __init__(self, target: PreTrainedModel):
+        self._orig_mod = target  # the name `cache_argument` looks under for the wrapped class
+        mode = "reduce-overhead" if target.device.type == "cuda" else None
+        self._compiled = torch.compile(lambda *args, **kwargs: target(*args, **kwargs), dynamic=False, mode=mode)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._orig_mod.dtype
+
+    def __call__(self, *args, **kwargs):
+        return self._compiled(*args, **kwargs)
+
+
+def _pad_block(tokens, offsets, attend, valid, size: int):
+    """A verify block of M nodes padded to `size`: padding nodes hold token 0 at the root's position, are
+    invalid, and attend to nothing but themselves (the mask adds that)."""
+    b, m = tokens.shape
+    if size == m:
+        return tokens, offsets, attend, valid
+    padded = [tokens.new_zeros(b, size), offsets.new_zeros(b, size), valid.new_zeros(b, size)]
+    for full, part in zip(padded, (tokens, offsets, valid), strict=True):
+        full[:, :m] = part
+    block = attend.new_zeros(b, size, size)
+    block[:, :m, :m] = attend
+    return padded[0], padded[1], block, padded[2]
 
 
 def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):

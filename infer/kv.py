@@ -14,11 +14,12 @@ cache with `torch.cat` on every forward of every layer (SmolLM2-135M at 300 toke
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
 
 def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, int | None]]:
@@ -83,58 +84,186 @@ class RoomyCache(DynamicCache):
 
 
 class KVState:
-    """A `DynamicCache` plus, for every slot, whether it holds a live token and at which position.
+    """A KV cache plus, for every slot, whether it holds a live token and at which position.
+
+    Two kinds of cache behind one interface:
+
+    - growing (default): `RoomyCache`, buffers with room to spare that grow when full; the model sees the
+      `size + N` slots in use, so every forward has its own shape;
+    - static (`capacity=`): one buffer of `capacity` slots per layer, allocated once (transformers'
+      `StaticLayer`, written at its own counter, which is kept at `size`), and masks of the full capacity,
+      so a forward's shapes depend on its block size only and can be compiled and captured.
+
+    In both, a step writes its block in place after the committed slots, `commit` gathers the kept path into
+    place, and the slot tables (`valid`, `pos`) are preallocated buffers with a length: no `torch.cat` and no
+    allocation per step (the growing cache allocates when it runs out of room).
 
     Invariant: `length == valid.sum(1)`, the position id the next token of each row gets.
     """
 
     def __init__(self, batch_size: int, device: torch.device, config: PretrainedConfig | None = None,
-                 roomy: bool = True):
-        # roomy=False: transformers' own DynamicCache, which torch.compile traces (RoomyLayer's buffer checks
-        # would break a compiled graph at every layer)
-        self.cache = RoomyCache() if roomy else DynamicCache()
+                 roomy: bool = True, capacity: int | None = None):
+        # roomy=False: transformers' own DynamicCache, which torch.compile traces with shapes dynamic over the
+        # cache length (RoomyLayer's buffer checks would break a compiled graph at every layer)
+        if capacity is not None and capacity < 1:
+            raise ValueError(f"a static KV cache needs capacity >= 1 slot, got {capacity}")
+        self.capacity = capacity
+        if capacity is not None:
+            self.cache = Cache(layer_class_to_replicate=functools.partial(StaticLayer, max_cache_len=capacity))
+        else:
+            self.cache = RoomyCache() if roomy else DynamicCache()
         self.layout, self.windows = attention_layout(config)
-        self.valid = torch.zeros(batch_size, 0, dtype=torch.bool, device=device)  # [B, S]
-        self.pos = torch.zeros(batch_size, 0, dtype=torch.long, device=device)  # [B, S]
+        room = capacity if capacity is not None else RoomyLayer.GROW
+        self._valid = torch.zeros(batch_size, room, dtype=torch.bool, device=device)
+        self._pos = torch.zeros(batch_size, room, dtype=torch.long, device=device)
+        self._size = 0
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] live tokens = next position
+        self._masks: dict[tuple, torch.Tensor] = {}  # (name, block size) -> preallocated static mask
 
     @property
     def size(self) -> int:
-        return self.valid.shape[1]
+        """Slots written so far, committed or not (the next block goes after them)."""
+        return self._size
+
+    @property
+    def valid(self) -> torch.Tensor:  # [B, size]
+        return self._valid[:, :self._size]
+
+    @property
+    def pos(self) -> torch.Tensor:  # [B, size]
+        return self._pos[:, :self._size]
+
+    @property
+    def static(self) -> bool:
+        return self.capacity is not None
+
+    @property
+    def batch_size(self) -> int:
+        return self._valid.shape[0]
+
+    def reset(self) -> None:
+        """Empty the cache for a new generation, keeping its buffers (a static cache's addresses, and so
+        its compiled and captured graphs, stay valid)."""
+        if not self.static:
+            raise RuntimeError("only a static KV cache is reset for reuse; make a new KVState")
+        self._size = 0
+        self._valid.zero_()
+        self.length = torch.zeros_like(self.length)
+        self._sync_layers()
+
+    def room(self) -> int:
+        """Slots a static cache has left after those written (None-like large for a growing one)."""
+        return self.capacity - self._size if self.static else 1 << 62
+
+    def _reserve(self, n: int) -> None:
+        """Make the slot tables hold `size + n` slots; a static cache that cannot is an error."""
+        end = self._size + n
+        if end <= self._valid.shape[1]:
+            return
+        if self.static:
+            raise RuntimeError(f"a block of {n} slots does not fit the static KV cache: {self._size} of "
+                               f"{self.capacity} slots are in use; give SelfSpecModel a larger static_cache")
+        room = max(end + RoomyLayer.GROW, end * 3 // 2)
+        grown_valid = self._valid.new_zeros(self._valid.shape[0], room)
+        grown_pos = self._pos.new_zeros(self._pos.shape[0], room)
+        grown_valid[:, :self._size], grown_pos[:, :self._size] = self.valid, self.pos
+        self._valid, self._pos = grown_valid, grown_pos
+
+    def grow(self, capacity: int) -> None:
+        """Give a static cache `capacity` slots, keeping what it holds (new buffers: compiled graphs of the
+        old shape recompile)."""
+        if not self.static or capacity <= self.capacity:
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                for name in ("keys", "values"):
+                    old = getattr(layer, name)
+                    new = old.new_zeros(*old.shape[:2], capacity, old.shape[3])
+                    new[:, :, :self._size] = old[:, :, :self._size]
+                    setattr(layer, name, new)
+            layer.max_cache_len = capacity
+        for name in ("_valid", "_pos"):
+            old = getattr(self, name)
+            new = old.new_zeros(old.shape[0], capacity)
+            new[:, :self._size] = old[:, :self._size]
+            setattr(self, name, new)
+        self.capacity = capacity
+        self._masks.clear()
+
+    def _sync_layers(self) -> None:
+        """Point every static layer's write counter at `size` (forwards advance it; commits move it back)."""
+        if self.static:
+            for layer in self.cache.layers:
+                layer.cumulative_length.fill_(self._size)
 
     def mask(self, query_pos: torch.Tensor, attend: torch.Tensor, dtype: torch.dtype):
-        """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, S + N]."""
+        """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, size + N].
+
+        A static cache's masks span its whole capacity (the slots after the block are never seen) and are
+        written into buffers kept per block size."""
         b, n = query_pos.shape
-        key_pos = torch.cat([self.pos, query_pos], dim=1)  # [B, S + N]
+        width = self.capacity if self.static else self._size + n
+        if self.static:  # the slots after the block are never seen
+            full = attend.new_zeros(b, n, width)
+            full[:, :, :attend.shape[2]] = attend
+            attend = full
+        else:
+            attend = attend.clone()
+        self._reserve(n)
+        key_pos = self._pos[:, :width].clone()
+        key_pos[:, self._size:self._size + n] = query_pos
         # A query always sees itself, so no softmax row is empty (padding queries included).
-        self_slot = torch.zeros_like(attend)
-        self_slot[:, torch.arange(n), self.size + torch.arange(n)] = True
-        attend = attend | self_slot
+        slots = self._size + torch.arange(n, device=attend.device)
+        attend[:, torch.arange(n, device=attend.device), slots] = True
         masks = {}
         for name, window in self.windows.items():
             allowed = attend
             if window is not None:
                 allowed = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < window)
-            m = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-            m.masked_fill_(~allowed, torch.finfo(dtype).min)
-            masks[name] = m[:, None]  # [B, 1, N, S + N]
+            out = self._masks.get((name, n)) if self.static else None
+            if out is None or out.dtype != dtype or out.shape[0] != b:
+                out = torch.empty(b, 1, n, width, dtype=dtype, device=attend.device)
+                if self.static:
+                    self._masks[(name, n)] = out
+            masks[name] = additive_mask(allowed, dtype, out=out)
         return masks["all"] if self.layout == "tensor" else masks
 
-    def tree_inputs(self, depth: torch.Tensor, ancestors: torch.Tensor, node_valid: torch.Tensor,
-                    dtype: torch.dtype):
-        """position_ids [B, N], cache_position [N] and mask(s) for a block of tree nodes after the cache."""
-        # depth: [B, N]; ancestors: [B, N, N]; node_valid: [B, N]
+    def forward(self, model, position_ids: torch.Tensor, attend: torch.Tensor, node_valid: torch.Tensor, *args,
+                dtype: torch.dtype | None = None, **inputs):
+        """One step of a cache transaction: `model` on a block of N nodes placed after the cache, at
+        `position_ids` [B, N], each seeing the slots `attend` [B, N, size + N] allows (and itself). The block's
+        slots are written but not committed: `commit`/`commit_block` keep them, `rollback` drops them,
+        `mark_valid` lets the next block see them meanwhile. Works for transformers models and our drafters
+        (positional `args` go first); `dtype` is the mask's, the model's by default."""
+        n = position_ids.shape[1]
+        mask = self.mask(position_ids, attend, dtype or model.dtype)
+        inputs[cache_argument(model)] = self.cache
+        out = model(*args, attention_mask=mask, position_ids=position_ids,
+                    cache_position=torch.arange(self._size, self._size + n, device=position_ids.device), **inputs)
+        self.appended(position_ids, node_valid)
+        return out
+
+    def forward_tree(self, model, depth: torch.Tensor, ancestors: torch.Tensor, node_valid: torch.Tensor, *args,
+                     dtype: torch.dtype | None = None, **inputs):
+        """`forward` for a block of tree nodes: node i at `length + depth[b, i]`, seeing every committed
+        slot and its valid ancestors in the block (ancestors [B, N, N], node_valid [B, N])."""
         b, n = depth.shape
-        position_ids = self.length[:, None] + depth
-        past = self.valid[:, None, :].expand(b, n, self.size)
-        attend = torch.cat([past, ancestors & node_valid[:, None, :]], dim=2)
-        cache_position = torch.arange(self.size, self.size + n, device=depth.device)
-        return position_ids, cache_position, self.mask(position_ids, attend, dtype)
+        attend = torch.zeros(b, n, self._size + n, dtype=torch.bool, device=depth.device)
+        attend[:, :, :self._size] = self.valid[:, None, :]
+        attend[:, :, self._size:] = ancestors & node_valid[:, None, :]
+        return self.forward(model, self.length[:, None] + depth, attend, node_valid, *args, dtype=dtype, **inputs)
+
+    def commit_block(self, start: int, valid: torch.Tensor) -> None:
+        """Keep the valid slots of the block written at `start` (a prompt or catch-up block), in order."""
+        self.commit(start, torch.arange(valid.shape[1], device=valid.device).expand_as(valid), valid)
 
     def appended(self, position_ids: torch.Tensor, node_valid: torch.Tensor) -> None:
         """Record slots the model's forward just appended to the cache (not yet committed)."""
-        self.valid = torch.cat([self.valid, torch.zeros_like(node_valid)], dim=1)
-        self.pos = torch.cat([self.pos, position_ids], dim=1)
+        n = node_valid.shape[1]
+        self._reserve(n)
+        self._valid[:, self._size:self._size + n] = False
+        self._pos[:, self._size:self._size + n] = position_ids
+        self._size += n
 
     def commit(self, start: int, slots: torch.Tensor, keep: torch.Tensor) -> None:
         """Keep slots `start + slots[b, j]` (where `keep[b, j]`) at `start + j`; drop everything after.
@@ -148,34 +277,52 @@ class KVState:
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # [B, H, S, D]
-                gathered = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
-                t[:, :, start:start + width] = gathered
-                setattr(layer, name, t[:, :, :start + width])
-        self.pos = torch.cat([self.pos[:, :start], self.pos.gather(1, index)], dim=1)
-        self.valid = torch.cat([self.valid[:, :start], keep], dim=1)
+                t[:, :, start:start + width] = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                if not self.static:  # a static layer keeps its whole buffer; its counter says what is in use
+                    setattr(layer, name, t[:, :, :start + width])
+        self._pos[:, start:start + width] = self._pos.gather(1, index)
+        self._valid[:, start:start + width] = keep
+        self._size = start + width
         self.length = self.valid.sum(1)
+        self._sync_layers()
 
     def mark_valid(self, node_valid: torch.Tensor) -> None:
         """Provisionally treat the last block of slots as context (multi-step drafting); `commit` or
         `rollback` later decides what stays."""
         n = node_valid.shape[1]
-        self.valid = torch.cat([self.valid[:, :self.size - n], node_valid], dim=1)
+        self._valid[:, self._size - n:self._size] = node_valid
         self.length = self.valid.sum(1)
 
     def rollback(self, size: int) -> None:
-        """Forget every slot from `size` on (uncommitted drafts)."""
-        drop = self.size - size
+        """Forget every slot from `size` on (uncommitted drafts, or what a failed forward half wrote)."""
+        drop = self._size - size
         if drop > 0:
-            for layer in self.cache.layers:
-                layer.crop(-drop)
-            self.valid = self.valid[:, :size]
-            self.pos = self.pos[:, :size]
+            if not self.static:
+                for layer in self.cache.layers:
+                    layer.crop(-drop)
+            self._size = size
             self.length = self.valid.sum(1)
+        self._sync_layers()
 
     def select_rows(self, rows: torch.Tensor) -> None:
         for layer in self.cache.layers:
-            layer.batch_select_indices(rows)
-        self.valid, self.pos, self.length = self.valid[rows], self.pos[rows], self.length[rows]
+            if self.static:
+                if getattr(layer, "is_initialized", False):
+                    layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            else:
+                layer.batch_select_indices(rows)
+        self._valid, self._pos, self.length = self._valid[rows], self._pos[rows], self.length[rows]
+        self._masks.clear()
+
+
+def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """A boolean attention pattern [B, Q, K] (True = may attend) as the additive [B, 1, Q, K] float mask
+    attention layers take: 0 where allowed, the dtype's most negative value elsewhere. With `out`, written
+    into that buffer."""
+    if out is None:
+        out = torch.empty(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device)
+    out.zero_()
+    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
 
 
 def prompt_tree(attention_mask: torch.Tensor):
@@ -191,14 +338,11 @@ def prompt_tree(attention_mask: torch.Tensor):
 
 def forward_block(model, kv: KVState, depth, ancestors, node_valid, *, input_ids=None, inputs_embeds=None,
                   **kwargs):
-    """Run `model` on a block of nodes placed after the cache; the new slots stay uncommitted."""
-    dtype = model.dtype if inputs_embeds is None else inputs_embeds.dtype
-    position_ids, cache_position, mask = kv.tree_inputs(depth, ancestors, node_valid, dtype)
-    kwargs[cache_argument(model)] = kv.cache
-    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask,
-                position_ids=position_ids, cache_position=cache_position, use_cache=True, **kwargs)
-    kv.appended(position_ids, node_valid)
-    return out
+    """A transformers model on a block of tree nodes after the cache (`KVState.forward_tree`); the new slots
+    stay uncommitted."""
+    dtype = None if inputs_embeds is None else inputs_embeds.dtype
+    return kv.forward_tree(model, depth, ancestors, node_valid, dtype=dtype, input_ids=input_ids,
+                           inputs_embeds=inputs_embeds, use_cache=True, **kwargs)
 
 
 _CACHE_ARGUMENT: dict[type, str] = {}

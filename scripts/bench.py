@@ -158,10 +158,11 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
     return Method(name, run, engine="transformers")
 
 
-def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False) -> Method:
+def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False,
+                  static_cache: bool = False) -> Method:
     from infer import SelfSpecModel
 
-    model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile)
+    model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -170,20 +171,22 @@ def engine_method(target, drafter, name: str, lookup_first: bool = False, compil
     return Method(name, run, reset=getattr(model.drafter, "clear", None))
 
 
-def oracle_method(target, alpha: float, depth: int = 8) -> Method:
+def oracle_method(target, alpha: float, depth: int = 8, static_cache: bool = False, compile: bool = False) -> Method:
     """SelfSpecModel with `OracleDrafter`: the baseline's own answer drafted, each token wrong with
-    probability 1 - alpha, so acceptance is set and drafting is free (see infer/drafters/oracle.py)."""
+    probability 1 - alpha, so acceptance is set and drafting is free (see infer/drafters/oracle.py).
+    `static_cache`/`compile`: the engine's static-cache path (and its compiled verify)."""
     from infer import SelfSpecModel
     from infer.drafters.oracle import OracleDrafter, expected_tokens_per_step
 
     drafter = OracleDrafter(alpha, depth)
-    model = SelfSpecModel(target, drafter)
+    model = SelfSpecModel(target, drafter, static_cache=static_cache, compile=compile)
+    suffix = (STATIC_SUFFIX if static_cache else "") + (COMPILE_SUFFIX if compile else "")
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
         return out, dict(model.last_stats)
 
-    return Method(f"oracle:{alpha:g}", run, before=lambda answer: drafter.expect([answer]),
+    return Method(f"oracle:{alpha:g}{suffix}", run, before=lambda answer: drafter.expect([answer]),
                   ideal_tokens_per_step=expected_tokens_per_step(alpha, depth))
 
 
@@ -208,8 +211,8 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     `draft-model:<path or hub id>`, or a saved drafter folder / hub id.
 
     `tree` overrides a trained drafter's saved drafting settings (e.g. depth, top_k, total_tokens)."""
-    if spec.endswith((LOOKUP_SUFFIX, COMPILE_SUFFIX)):
-        raise ValueError(f"strip {LOOKUP_SUFFIX!r} and {COMPILE_SUFFIX!r} before load_drafter (see drafter_method)")
+    if spec.endswith(SUFFIXES):
+        raise ValueError(f"strip the suffixes {', '.join(SUFFIXES)} before load_drafter (see drafter_method)")
     from infer.drafters import DRAFTERS
 
     if spec.partition(":")[0] in DRAFTERS:  # a drafter by name: ngram, gguf, int8, bf16, early_exit:<k>, ...
@@ -237,6 +240,8 @@ def drafter_label(folder: str, drafter) -> str:
 
 LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
 COMPILE_SUFFIX = "+compile"  # `--drafter <spec>+compile`: SelfSpecModel(..., compile=True)
+STATIC_SUFFIX = "+static"  # `--drafter <spec>+static`: SelfSpecModel(..., static_cache=True)
+SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX)
 
 
 def _serve_module():
@@ -292,14 +297,14 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
 
 def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
     base, options = spec, []
-    while base.endswith((COMPILE_SUFFIX, LOOKUP_SUFFIX)):  # in either order
-        suffix = COMPILE_SUFFIX if base.endswith(COMPILE_SUFFIX) else LOOKUP_SUFFIX
+    while base.endswith(SUFFIXES):  # in any order
+        suffix = next(s for s in SUFFIXES if base.endswith(s))
         base, options = base[: -len(suffix)], [suffix, *options]
     name, drafter = load_drafter(base, target, tree)
     if isinstance(drafter, torch.nn.Module):
         drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
     return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
-                         COMPILE_SUFFIX in options)
+                         COMPILE_SUFFIX in options, STATIC_SUFFIX in options)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -686,8 +691,9 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter", action="append", default=[],
                         help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
                              "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
-                             f"{LOOKUP_SUFFIX!r} (prompt lookup first) and/or {COMPILE_SUFFIX!r} (the drafter's "
-                             "forwards compiled); repeat for several")
+                             f"{LOOKUP_SUFFIX!r} (prompt lookup first), {COMPILE_SUFFIX!r} (the drafter's "
+                             f"forwards compiled; with {STATIC_SUFFIX!r} the verify too) and/or {STATIC_SUFFIX!r} "
+                             "(the target's static KV cache); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")
@@ -711,6 +717,8 @@ def main(argv=None) -> int:
                         help="a row drafting the baseline's own answer, each token wrong with probability "
                              "1 - ALPHA (chains of --oracle-depth): engine cost against the ideal; repeatable")
     parser.add_argument("--oracle-depth", type=int, default=8, help="chain length of --oracle rows")
+    parser.add_argument("--oracle-static", action="store_true",
+                        help="each --oracle row also with the static KV cache (oracle:ALPHA+static)")
     parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
                         help="a vLLM row (vLLM's CPU build from `make vllm`, or --vllm-python): plain decoding, "
                              "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
@@ -734,6 +742,8 @@ def main(argv=None) -> int:
     for spec in args.drafter:
         methods.append(drafter_method(spec, target, parse_tree(args.tree)))
     methods += [oracle_method(target, alpha, args.oracle_depth) for alpha in args.oracle]
+    if args.oracle_static:
+        methods += [oracle_method(target, alpha, args.oracle_depth, static_cache=True) for alpha in args.oracle]
     try:
         for spec in args.vllm:
             methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out)))

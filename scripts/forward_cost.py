@@ -43,6 +43,36 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
     return out
 
 
+def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:
+    """Median seconds of one verify-shaped forward over n tree nodes on the engine's static KV cache
+    (`SelfSpecModel(static_cache=True)`: masks over the whole capacity, blocks written in place, then
+    forgotten), eagerly or through `torch.compile` (one graph per n, compiled in the warm-up run)."""
+    from infer.engine import VERIFY_ROOM
+    from infer.kv import KVState, prompt_tree
+
+    vocab = model.config.get_text_config().vocab_size
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=g)
+    kv = KVState(1, prefix.device, model.config, capacity=context + max(sizes) + VERIFY_ROOM)
+    run = torch.compile(model, dynamic=False) if compiled else model
+    out = {}
+    with torch.inference_mode():
+        depth, ancestors, valid = prompt_tree(torch.ones_like(prefix))
+        kv.forward_tree(model, depth, ancestors, valid, input_ids=prefix, use_cache=True, logits_to_keep=1)
+        kv.mark_valid(valid)
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n), generator=g)
+            depth, ancestors, valid = prompt_tree(torch.ones_like(ids))  # a chain: the widest attention a tree has
+            times = []
+            for _ in range(repeats + 1):  # the first run is a warm-up (and the compile)
+                tic = time.perf_counter()
+                kv.forward_tree(run, depth, ancestors, valid, input_ids=ids, use_cache=True)
+                times.append(time.perf_counter() - tic)
+                kv.rollback(context)
+            out[n] = statistics.median(times[1:])
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", default="smollm2-135m-instruct")
@@ -50,6 +80,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sizes", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32, 64])
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--static", action="store_true",
+                        help="also on the engine's static KV cache, eager and compiled (torch.compile)")
     args = parser.parse_args(argv)
 
     from infer import cpu_linear
@@ -60,16 +92,18 @@ def main(argv=None) -> None:
     plain = forward_cost(model, args.context, args.sizes, args.repeats)
     with cpu_linear.prepacked_linears(model, enabled=cpu_linear.available()):  # what SelfSpecModel does on CPU
         packed = forward_cost(model, args.context, args.sizes, args.repeats)
+    columns = {"plain": plain, "prepacked": packed}
+    if args.static:
+        columns["static"] = static_forward_cost(model, args.context, args.sizes, args.repeats)
+        columns["static compiled"] = static_forward_cost(model, args.context, args.sizes, args.repeats, compiled=True)
     print(f"target {args.target}, context {args.context}, {torch.get_num_threads()} threads, "
           f"median of {args.repeats}; cost relative to a plain 1-token forward")
-    print("| new tokens | plain ms | plain cost | prepacked ms | prepacked cost |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
+    print("| new tokens | " + " | ".join(f"{name} ms | {name} cost" for name in columns) + " |")
+    print("| ---: |" + " ---: | ---: |" * len(columns))
     one = plain[args.sizes[0]]
     for n in args.sizes:
-        print(f"| {n} | {plain[n] * 1e3:.1f} | {plain[n] / one:.2f}x | {packed[n] * 1e3:.1f} | "
-              f"{packed[n] / one:.2f}x |")
-    print(json.dumps({kind: {str(n): s for n, s in costs.items()}
-                      for kind, costs in (("plain", plain), ("prepacked", packed))}))
+        print(f"| {n} | " + " | ".join(f"{c[n] * 1e3:.1f} | {c[n] / one:.2f}x" for c in columns.values()) + " |")
+    print(json.dumps({kind: {str(n): s for n, s in costs.items()} for kind, costs in columns.items()}))
 
 
 if __name__ == "__main__":

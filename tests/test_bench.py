@@ -87,7 +87,8 @@ def test_run_bench_structure_and_greedy_check(questions_file, tmp_path):
     assert {m["method"] for m in result["mismatches"]} == {"broken"}
     assert all(m["first_differing_token"] == 2 for m in result["mismatches"])
     table = result["per_category"]
-    assert set(table) == {"alpha", "beta", "overall"}
+    assert set(table) == {"alpha", "beta", "turn 1", "turn 2", "overall"}  # two turns: a group each
+    assert [table[t]["ngram"]["questions"] for t in ("turn 1", "turn 2")] == [2, 1]
     for cat in table:
         assert table[cat]["baseline"]["tau"] == 1.0
         assert table[cat]["baseline"]["speedup_vs_greedy"] == pytest.approx(1.0)

@@ -12,10 +12,11 @@ import torch
 from conftest import tiny_model
 
 import heads
-from heads.dflash.model import additive, block_attention, block_positions
+from heads.dflash.model import block_attention, block_positions
 from heads.dflash.objective import DFlashObjective
 from infer.drafting import TargetStep
 from infer.engine import SelfSpecModel
+from infer.kv import additive_mask
 from infer.sampling import SamplingParams
 from train.config import load_config
 
@@ -58,7 +59,7 @@ def _layout_logits(target, drafter, tokens: list[int], root: int) -> torch.Tenso
     _, feats = _hidden(target, drafter, ids)
     t, s = ids.shape[1], drafter.config.block_size
     anchors = torch.tensor([[t - 1]])
-    mask = additive(block_attention(torch.ones(1, t, dtype=torch.bool), anchors, s), drafter.dtype)
+    mask = additive_mask(block_attention(torch.ones(1, t, dtype=torch.bool), anchors, s), drafter.dtype)
     positions = torch.cat([torch.arange(t)[None], block_positions(anchors, s)], dim=1)
     _, logits = drafter(drafter.fuse_features(feats), anchors.new_tensor([[root]]), attention_mask=mask,
                         position_ids=positions)

@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from infer.kv import additive_mask
+
 
 def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     """y[:, t] = x[:, t + k], filled past the end: [B, T, ...] -> [B, T, ...]."""
@@ -113,6 +115,4 @@ def unrolled_attention_mask(attention_mask: torch.Tensor, step: int, dtype: torc
     causal = torch.ones(length, length, dtype=torch.bool, device=device).tril()
     first = (causal[None] & attention_mask[:, None, :].bool()) | eye[None]  # [B, L, L]
     blocks = [first] + [eye[None].expand(b, length, length)] * step
-    allowed = torch.cat(blocks, dim=-1)
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[:, None]
+    return additive_mask(torch.cat(blocks, dim=-1), dtype)

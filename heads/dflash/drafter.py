@@ -69,11 +69,9 @@ class DFlashDrafter(HeadDrafter):
         # step.valid: [B, A]; step.hidden: one [B, A, D] per feature layer
         depth, ancestors, valid = prompt_tree(step.valid)  # one causal block over the valid slots
         start = self.kv.size
-        position_ids, cache_position, mask = self.kv.tree_inputs(depth, ancestors, valid, self.model.dtype)
-        self.model(self.model.fuse_features(step.hidden), step.next_tokens[:, None][:, :0], attention_mask=mask,
-                   position_ids=position_ids, past_key_values=self.kv.cache, cache_position=cache_position)
-        self.kv.appended(position_ids, valid)
-        self.kv.commit(start, torch.arange(valid.shape[1], device=valid.device).expand_as(valid), valid)
+        self.kv.forward_tree(self.model, depth, ancestors, valid, self.model.fuse_features(step.hidden),
+                             step.next_tokens[:, None][:, :0])
+        self.kv.commit_block(start, valid)
         self.root = step.next_tokens
 
     @torch.no_grad()
@@ -101,10 +99,8 @@ class DFlashDrafter(HeadDrafter):
         query_pos = kv.length[:, None] + torch.arange(s, device=device)  # [B, S]
         attend = torch.ones(b, s, committed + s, dtype=torch.bool, device=device)
         attend[:, :, :committed] = kv.valid[:, None, :]
-        _, logits = self.model(None, self.root[:, None], attention_mask=kv.mask(query_pos, attend, self.model.dtype),
-                               position_ids=query_pos, past_key_values=kv.cache,
-                               cache_position=torch.arange(committed, committed + s, device=device))
-        kv.appended(query_pos, torch.zeros(b, s, dtype=torch.bool, device=device))
+        _, logits = kv.forward(self.model, query_pos, attend, torch.zeros(b, s, dtype=torch.bool, device=device), None,
+                               self.root[:, None])
         kv.rollback(committed)
         return logits[:, 0]
 

@@ -7,6 +7,8 @@ import copy
 import torch
 from torch import nn
 
+from infer.kv import additive_mask
+
 from ..base import DrafterModel
 from ..layers import arch_classes, build_layer_config, call_layer, first_norm, rotary_embeddings
 from .config import DFlashConfig
@@ -47,12 +49,6 @@ def block_attention(context_valid: torch.Tensor, anchors: torch.Tensor, size: in
 def block_positions(anchors: torch.Tensor, size: int) -> torch.Tensor:
     """[B, M*S]: block j holds positions anchors[b, j] .. anchors[b, j] + size - 1."""
     return (anchors[..., None] + torch.arange(size, device=anchors.device)).flatten(1)
-
-
-def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A boolean [B, Q, K] attention pattern as the additive [B, 1, Q, K] mask decoder layers take."""
-    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 class DFlashModel(DrafterModel):
@@ -124,7 +120,7 @@ class DFlashModel(DrafterModel):
             valid = torch.ones(b, past + c, dtype=torch.bool, device=x.device)
             anchors = torch.full((b, m), past + c, device=x.device)
             if attention_mask is None:
-                attention_mask = additive(block_attention(valid, anchors, s)[:, past:], x.dtype)
+                attention_mask = additive_mask(block_attention(valid, anchors, s)[:, past:], x.dtype)
             if position_ids is None:
                 context = torch.arange(past, past + c, device=x.device).expand(b, c)
                 position_ids = torch.cat([context, block_positions(anchors, s)], dim=1)

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infer.kv import additive_mask
 from train.losses import StepStats, token_loss, topk_hits
 
-from .model import additive, block_attention, block_positions
+from .model import block_attention, block_positions
 
 
 class DFlashObjective(nn.Module):
@@ -55,7 +56,7 @@ class DFlashObjective(nn.Module):
         (b, t), device = ids.shape, ids.device
         anchors, usable = self.anchors(batch)  # [B, M]
         feats = drafter.fuse_features(tuple(features[i] for i in drafter.feature_layers))  # [B, T, n*D]
-        mask = additive(block_attention(attn.bool(), anchors, s), drafter.dtype)
+        mask = additive_mask(block_attention(attn.bool(), anchors, s), drafter.dtype)
         positions = torch.cat([torch.arange(t, device=device).expand(b, t), block_positions(anchors, s)], dim=1)
         _, logits = drafter(feats, ids.gather(1, anchors), attention_mask=mask, position_ids=positions)
         # logits: [B, M, S-1, V]; slot k-1 predicts x_{a+k}

@@ -65,13 +65,8 @@ class EagleDrafter(HeadDrafter):
         features = self.model.fuse_features(step.hidden)
         depth, ancestors, valid = prompt_tree(step.valid)  # one causal block over the valid slots
         start = self.kv.size
-        position_ids, cache_position, mask = self.kv.tree_inputs(depth, ancestors, valid, self.model.dtype)
-        hidden, logits = self.model(step.following_tokens(), features, attention_mask=mask,
-                                    position_ids=position_ids, past_key_values=self.kv.cache,
-                                    cache_position=cache_position)
-        self.kv.appended(position_ids, valid)
-        slots = torch.arange(valid.shape[1], device=valid.device).expand_as(valid)
-        self.kv.commit(start, slots, valid)
+        hidden, logits = self.kv.forward_tree(self.model, depth, ancestors, valid, step.following_tokens(), features)
+        self.kv.commit_block(start, valid)
         last = step.last_valid_index().clamp(min=0)
         rows = torch.arange(last.shape[0], device=last.device)
         self.last_hidden, self.last_logits = hidden[rows, last], logits[rows, last]  # [B, D], [B, V']
@@ -142,11 +137,7 @@ class EagleDrafter(HeadDrafter):
         attend = torch.zeros(b, f, kv.size + f, dtype=torch.bool, device=tokens.device)
         attend[:, :, : kv.size] = kv.valid[:, None, :]
         attend.scatter_(2, ancestors, True)
-        cache_position = torch.arange(kv.size, kv.size + f, device=tokens.device)
-        out = self.model(tokens, hidden, attention_mask=kv.mask(query_pos, attend, self.model.dtype),
-                         position_ids=query_pos, past_key_values=kv.cache, cache_position=cache_position)
-        kv.appended(query_pos, torch.zeros_like(tokens, dtype=torch.bool))
-        return out
+        return kv.forward(self.model, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
 
     def _select(self, tokens, parents, scores) -> DraftTree:
         """Static: every node. Dynamic: the root and the `total_tokens` best nodes by cumulative log-prob."""
