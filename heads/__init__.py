@@ -50,6 +50,7 @@ register(Kind(
 register(Kind(
     name="dflash", title="DFlash block drafter", config_cls=DFlashConfig, model_cls=DFlashModel,
     objective=dflash_objective.DFlashObjective, eval_depth=dflash_objective.eval_depth, depth_label="pos",
+    exports=(export.DFLASH,),
 ))
 
 

@@ -1,4 +1,4 @@
-"""Export to (and import from) the formats vLLM serves: speculators EAGLE-3 and vLLM Medusa.
+"""Export to (and import from) the formats vLLM serves: speculators EAGLE-3, vLLM Medusa and DFlash.
 
 What was checked against which release is recorded in docs/export.md. Each exported config also carries a
 `selfspec` block (ignored by vLLM and speculators) with what the format itself does not record, such as
@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from transformers.utils import cached_file
 
 from .base import check_weights_file
+from .dflash import DFlashConfig, DFlashModel
 from .eagle3 import Eagle3Config, Eagle3Model
 from .kinds import ExportFormat
 from .layers import arch_classes
@@ -133,7 +134,7 @@ def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
 
 def _selfspec_block(c, **extra) -> dict:
     keys = ("base_model_name_or_path", "target_model_type", "target_hidden_size", "target_vocab_size",
-            "target_num_layers", "tokenizer_fingerprint", "tree", "training", "metrics")
+            "target_num_layers", "tokenizer_fingerprint", "tree", "training", "metrics", "calibration")
     return {**{k: getattr(c, k) for k in keys}, **extra}
 
 
@@ -248,6 +249,125 @@ def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
     return model.eval()
 
 
+# ---- DFlash (z-lab's layout, vLLM's DFlashDraftModel) -----------------------------------------------------
+
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+
+
+def export_dflash(model: DFlashModel, out_dir, mask_token_id: int | None = None) -> str:
+    """Write `model` as a DFlash checkpoint vLLM serves (`method="dflash"`, `DFlashQwen3ForCausalLM`):
+    config.json (`architectures: ["DFlashDraftModel"]`, the Qwen3 layers' fields, `dflash_config`),
+    model.safetensors (`fc`, `hidden_norm`, `norm`, `layers.N.*`; the target's embedding and lm_head are
+    shared, not written) and `mask_embedding.pt`, our one mask vector.
+
+    vLLM feeds mask slots as `mask_token_id` and swaps that id's embedding for the mask vector, so a bonus
+    token equal to it would be drafted from as a mask. The default is the target's end-of-sequence token,
+    after which nothing is drafted; pass another id that the target never continues from if its
+    generations ignore eos. Serve with `num_speculative_tokens` = block_size - 1: a shorter block changes
+    what the non-causal mask slots see.
+    """
+    c = model.config
+    n = c.target_num_layers
+    if c.fc_bias:
+        raise ValueError("vLLM's DFlash fc has no bias; this drafter was built with fc_bias=True")
+    outside = [i for i in c.feature_layers if n is not None and not 1 <= i <= n - 1]
+    if outside:
+        raise ValueError(f"feature layers {outside} cannot be served: vLLM captures the hidden states entering "
+                         f"target layers 1..{n - 1} (hidden_states indices), not the embeddings or the final norm")
+    if mask_token_id is None:
+        mask_token_id = c.mask_token_id
+    if mask_token_id is None or not 0 <= int(mask_token_id) < c.target_vocab_size:
+        raise ValueError(f"mask_token_id must be a token id of the target's vocabulary (0..{c.target_vocab_size - 1}),"
+                         f" got {mask_token_id!r} (the drafter records none: its target config had no eos); pass "
+                         "export_dflash(..., mask_token_id=<an id the target never continues from>)")
+    # vLLM concatenates the captured layers in ascending order: fc's column blocks follow that order.
+    order = sorted(range(len(c.feature_layers)), key=lambda j: c.feature_layers[j])
+    d = c.target_hidden_size
+    fc = torch.cat([model.fc.weight[:, j * d:(j + 1) * d] for j in order], dim=1)
+    layers = sorted(c.feature_layers)
+    tensors = {"fc.weight": fc, "hidden_norm.weight": model.hidden_norm.weight, "norm.weight": model.norm.weight,
+               **{f"layers.{k}": v for k, v in model.layers.state_dict().items()}}
+    lc = {k: v for k, v in c.layer_config.items() if k != "model_type"}
+    config = {
+        **lc, "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "num_hidden_layers": c.num_layers,
+        "rope_theta": lc["rope_parameters"]["rope_theta"], "tie_word_embeddings": False,
+        "target_hidden_size": d, "block_size": c.block_size, "num_target_layers": n,
+        "dflash_config": {"mask_token_id": int(mask_token_id), "target_layer_ids": [i - 1 for i in layers]},
+        "eagle_aux_hidden_state_layer_ids": layers,
+        "selfspec": _selfspec_block(c, feature_layers=list(c.feature_layers), anchors_per_sample=c.anchors_per_sample,
+                                    loss_decay=c.loss_decay),
+    }
+    _write_folder(out_dir, config, tensors)
+    torch.save({"mask_token_id": int(mask_token_id), "embedding": model.mask_embed.weight[0].detach().cpu().clone()},
+               os.path.join(out_dir, MASK_EMBEDDING_FILE))
+    return os.fspath(out_dir)
+
+
+def import_dflash(path_or_id, target=None, **hub_kwargs) -> DFlashModel:
+    """Load a DFlash checkpoint in vLLM's layout (ours from `export_dflash`, or z-lab's) as a `DFlashModel`.
+
+    The mask vector comes from `mask_embedding.pt`; a checkpoint without one (z-lab's) has its mask slots
+    embedded as `mask_token_id`, so `target` (a model) is needed to read that row of its embedding. What
+    the format does not record comes from the `selfspec` block or from `target`.
+    """
+    from .base import DrafterConfig
+
+    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    if "DFlashDraftModel" not in (config.get("architectures") or []) or config.get("model_type") != "qwen3":
+        raise ValueError(f"{path_or_id} is not a DFlash checkpoint (architectures={config.get('architectures')}, "
+                         f"model_type={config.get('model_type')!r}; expected DFlashDraftModel and qwen3)")
+    dflash = config.get("dflash_config") or {}
+    fields = dict(config.get("selfspec") or {})
+    if target is not None:
+        fields.update(DrafterConfig.target_fields(target))
+    layers = config.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in dflash.get("target_layer_ids", [])]
+    fields.setdefault("feature_layers", layers)
+    fields.setdefault("target_hidden_size", config.get("target_hidden_size") or config["hidden_size"])
+    fields.setdefault("target_vocab_size", config["vocab_size"])
+    fields.setdefault("target_num_layers", config.get("num_target_layers"))
+    layer_config = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+                                           "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
+                                           "rms_norm_eps", "attention_bias") if k in config}
+    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)}
+    layer_config.update(model_type="qwen3", rope_parameters=rope)
+    fields.setdefault("mask_token_id", dflash.get("mask_token_id"))
+    model = DFlashModel(DFlashConfig(layer_config=layer_config, num_layers=config["num_hidden_layers"],
+                                     block_size=config.get("block_size", 16), fc_bias=False, **fields))
+    mask = _read_mask_embedding(path_or_id, dflash.get("mask_token_id"), target, **hub_kwargs)
+    state = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
+    # our fc's column blocks follow feature_layers; the checkpoint's follow ascending layers
+    order = sorted(range(len(model.feature_layers)), key=lambda j: model.feature_layers[j])
+    d = model.config.target_hidden_size
+    if tuple(state.get("fc.weight", torch.empty(0)).shape) != tuple(model.fc.weight.shape):
+        raise ValueError(f"DFlash checkpoint {path_or_id}: fc.weight should be {tuple(model.fc.weight.shape)} for "
+                         f"{len(order)} feature layers of width {d}, got {tuple(state.get('fc.weight', torch.empty(0)).shape)}")
+    blocks = dict(zip(order, state["fc.weight"].split(d, dim=1), strict=True))
+    state["fc.weight"] = torch.cat([blocks[j] for j in range(len(order))], dim=1)
+    state["mask_embed.weight"] = mask.reshape(1, -1)
+    _check_keys(state, model.state_dict(), f"DFlash checkpoint {path_or_id}")
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def _read_mask_embedding(path_or_id, mask_token_id, target, **hub_kwargs) -> torch.Tensor:
+    path = cached_file(path_or_id, MASK_EMBEDDING_FILE, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
+    if path is not None:
+        state = torch.load(path, weights_only=True)
+        if isinstance(state, dict):
+            if mask_token_id is not None and state.get("mask_token_id", mask_token_id) != mask_token_id:
+                raise ValueError(f"{path}: mask_token_id {state['mask_token_id']} differs from the config's "
+                                 f"dflash_config.mask_token_id {mask_token_id}")
+            state = state["embedding"]
+        return state.reshape(-1)
+    if mask_token_id is None:
+        raise ValueError(f"{path_or_id} has neither {MASK_EMBEDDING_FILE} nor dflash_config.mask_token_id: "
+                         "nothing says what its mask slots are")
+    if target is None or not hasattr(target, "get_input_embeddings"):
+        raise ValueError(f"{path_or_id} embeds its mask slots as token {mask_token_id} of the target's vocabulary "
+                         "(no mask_embedding.pt): pass target=<the target model> to read that embedding")
+    return target.get_input_embeddings().weight[int(mask_token_id)].detach().cpu().clone()
+
+
 # ---- the formats, registered with their kinds in heads/__init__.py ------------------------------------------
 
 SPECULATORS = ExportFormat("speculators", "speculators", export_speculators, import_speculators,
@@ -255,3 +375,6 @@ SPECULATORS = ExportFormat("speculators", "speculators", export_speculators, imp
 VLLM_MEDUSA = ExportFormat("vllm", "vLLM Medusa", export_medusa_vllm, import_medusa_vllm,
                            recognizes=lambda config: config.get("model_type") == "medusa", vllm_method="medusa",
                            needs_target=lambda model: model.config.share_lm_head)
+DFLASH = ExportFormat("dflash", "DFlash (vLLM DFlashDraftModel)", export_dflash, import_dflash,
+                      recognizes=lambda config: "DFlashDraftModel" in (config.get("architectures") or []),
+                      vllm_method="dflash")

@@ -19,7 +19,14 @@ from transformers import DynamicCache
 
 import heads
 from heads.eagle3 import build_vocab_map
-from heads.export import export_medusa_vllm, export_speculators, import_medusa_vllm, import_speculators
+from heads.export import (
+    export_dflash,
+    export_medusa_vllm,
+    export_speculators,
+    import_dflash,
+    import_medusa_vllm,
+    import_speculators,
+)
 from infer.drafting import TargetStep
 from infer.engine import SelfSpecModel
 from infer.sampling import SamplingParams
@@ -151,9 +158,9 @@ def test_forward_shapes(kind, arch):
     if kind == "medusa":
         assert drafter.feature_layers == (L,)
         assert out.shape == (4, 2, 5, V)
-    elif kind == "dflash":  # 4 context slots, then one block of 16: the last token and 15 drafts
-        hidden, logits = out
-        assert hidden.shape == (2, 4 + 16, D) and logits.shape == (2, 1, 15, V)
+    elif kind == "dflash":  # 4 context slots (keys and values only), then one block of 16: the last token and 15 drafts
+        context, logits = out
+        assert context.shape == (2, 4, D) and logits.shape == (2, 1, 15, V)
         assert drafter.feature_layers == (1, 2, 3)
     else:
         hidden, logits = out
@@ -448,6 +455,51 @@ def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
 def test_speculators_export_refuses_other_layouts(arch, message, tmp_path):
     with pytest.raises(ValueError, match=message):
         export_speculators(heads.build("eagle3", target_for(arch).config), tmp_path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_dflash_export_keys_shapes_and_reimport(arch, tmp_path):
+    """vLLM's DFlashDraftModel layout: Qwen3 layers at the target's sizes, fc blocks in ascending layer order
+    (ours are given out of order here), the mask vector in mask_embedding.pt; the reimport drafts the same."""
+    target = target_for(arch)
+    drafter = perturb(heads.build("dflash", target, block_size=4, num_layers=2, feature_layers=[3, 1, 2]))
+    export_dflash(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["model_type"] == "qwen3"
+    assert config["num_hidden_layers"] == 2 and config["block_size"] == 4 and config["num_target_layers"] == 4
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
+    assert config["dflash_config"] == {"mask_token_id": drafter.config.mask_token_id, "target_layer_ids": [0, 1, 2]}
+    assert config["rope_theta"] == config["rope_parameters"]["rope_theta"]
+    d, hd = 32, config["head_dim"]
+    layer = {"self_attn.q_proj.weight": (4 * hd, d), "self_attn.k_proj.weight": (config["num_key_value_heads"] * hd, d),
+             "self_attn.v_proj.weight": (config["num_key_value_heads"] * hd, d), "self_attn.o_proj.weight": (d, 4 * hd),
+             "self_attn.q_norm.weight": (hd,), "self_attn.k_norm.weight": (hd,),
+             "mlp.gate_proj.weight": (config["intermediate_size"], d), "mlp.up_proj.weight": (config["intermediate_size"], d),
+             "mlp.down_proj.weight": (d, config["intermediate_size"]),
+             "input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,)}
+    expected = {"fc.weight": (d, 3 * d), "hidden_norm.weight": (d,), "norm.weight": (d,),
+                **{f"layers.{i}.{k}": v for i in range(2) for k, v in layer.items()}}
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        assert {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()} == expected
+        fc = f.get_tensor("fc.weight")
+    assert torch.equal(fc[:, :d], drafter.fc.weight[:, d:2 * d])  # layer 1's block comes first
+    mask = torch.load(tmp_path / "mask_embedding.pt", weights_only=True)
+    assert mask["mask_token_id"] == config["dflash_config"]["mask_token_id"]
+    assert torch.equal(mask["embedding"], drafter.mask_embed.weight[0])
+    reimported = import_dflash(tmp_path).attach(target)
+    assert reimported.feature_layers == (3, 1, 2)
+    ids = torch.randint(3, 96, (2, 5))
+    torch.testing.assert_close(run(reimported, target, ids)[1], run(drafter.attach(target), target, ids)[1])
+
+
+def test_dflash_export_refuses_what_vllm_cannot_serve(tmp_path):
+    config = target_for("llama").config
+    with pytest.raises(ValueError, match=r"feature layers \[4\] cannot be served"):
+        export_dflash(heads.build("dflash", config, feature_layers=[1, 4]), tmp_path)
+    with pytest.raises(ValueError, match="fc has no bias"):
+        export_dflash(heads.build("dflash", config, fc_bias=True), tmp_path)
+    with pytest.raises(ValueError, match="mask_token_id must be a token id"):
+        export_dflash(heads.build("dflash", config), tmp_path, mask_token_id=96)
 
 
 @pytest.mark.parametrize("share", [False, True])

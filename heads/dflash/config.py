@@ -1,12 +1,13 @@
 """DFlash (Chen, Liang and Liu, 2026, arXiv:2602.06036): a block drafter. From the last accepted token and a
-block of mask slots, one non-causal pass through a few decoder layers of the target's own class, reading
-chosen target layers' hidden states as context, proposes the next `block_size - 1` tokens at once; the
-target's embedding and lm_head are shared."""
+block of mask slots, one non-causal pass through a few Qwen3 decoder layers, which read chosen target
+layers' hidden states as keys and values, proposes the next `block_size - 1` tokens at once; the target's
+embedding and lm_head are shared. The layout is the reference one (z-lab's, served by vLLM and SGLang)."""
 
 from __future__ import annotations
 
-from ..base import DrafterConfig
-from ..layers import default_attn_implementation, layer_config_dict
+from transformers import Qwen3Config
+
+from ..base import DrafterConfig, text_config
 
 # Drafting settings. One block pass gives a distribution per block position; `top_k` = 1 drafts the
 # argmax (or, when sampling, a sample) of each position as a chain, as DFlash does. `top_k` > 1 grows a
@@ -29,15 +30,43 @@ def spread_layers(num_layers: int, count: int = 5) -> list[int]:
     return sorted({1 + round(k * step) for k in range(count)})
 
 
+def qwen3_layer_config(target_config) -> dict:
+    """The drafter layers' config: Qwen3 decoder layers at the target's width, heads and RoPE base, whatever
+    the target's architecture (DFlash drafters are Qwen3 layers in the reference implementation and in
+    vLLM, also for Llama targets). As a JSON-able dict with model_type."""
+    c = text_config(target_config)
+    heads = c.num_attention_heads
+    rope = dict(getattr(c, "rope_parameters", None) or {})
+    theta = rope.get("rope_theta", getattr(c, "rope_theta", None)) or 10000.0
+    config = Qwen3Config(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, num_hidden_layers=1, num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        intermediate_size=getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size,
+        rms_norm_eps=getattr(c, "rms_norm_eps", None) or getattr(c, "layer_norm_epsilon", None) or 1e-6,
+        max_position_embeddings=getattr(c, "max_position_embeddings", None) or 32768,
+        rope_parameters={"rope_type": "default", "rope_theta": float(theta)},
+        initializer_range=getattr(c, "initializer_range", 0.02), attention_bias=False, hidden_act="silu")
+    d = config.to_diff_dict()
+    for key in ("transformers_version", "use_cache", "layer_types", "max_window_layers", "num_hidden_layers",
+                "pad_token_id", "bos_token_id", "eos_token_id"):
+        d.pop(key, None)
+    d["model_type"] = "qwen3"
+    return d
+
+
 class DFlashConfig(DrafterConfig):
     model_type = "selfspec_dflash"
 
-    layer_config: dict | None = None  # one-layer, full-attention copy of the target's config (with model_type)
-    attn_implementation: str | None = None  # of the drafter layers: "sdpa" or "eager" (None = per architecture)
-    num_layers: int = 2  # decoder layers of the target's class the block passes through
+    layer_config: dict | None = None  # the Qwen3 layers' config at the target's sizes (`qwen3_layer_config`)
+    attn_implementation: str = "sdpa"  # of the drafter layers: "sdpa" or "eager"
+    num_layers: int = 2  # Qwen3 decoder layers the block passes through
     feature_layers: list[int] | None = None  # hidden_states indices read as context; None = spread_layers(L)
     block_size: int = 16  # the anchor (last accepted token) + block_size - 1 mask slots, each drafting a token
     fc_bias: bool = False  # the fc over the concatenated target features
+    # The token id vLLM feeds mask slots as (and swaps for our mask vector): exports only; None = the
+    # target's eos, after which nothing is drafted.
+    mask_token_id: int | None = None
     # Training (recorded here because they define the trained drafter): blocks anchored per sequence, and
     # the weight of block position k = 1..block_size-1: exp(-(k - 1) / loss_decay).
     anchors_per_sample: int = 16
@@ -78,6 +107,7 @@ class DFlashConfig(DrafterConfig):
 
     @classmethod
     def for_target(cls, target_config, **fields) -> DFlashConfig:
-        fields.setdefault("layer_config", layer_config_dict(target_config))
-        fields.setdefault("attn_implementation", default_attn_implementation(target_config.model_type))
+        fields.setdefault("layer_config", qwen3_layer_config(target_config))
+        eos = getattr(text_config(target_config), "eos_token_id", None)
+        fields.setdefault("mask_token_id", eos[0] if isinstance(eos, list) and eos else eos)
         return cls(**fields)

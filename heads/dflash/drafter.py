@@ -1,10 +1,10 @@
 """Drafting with a DFlash block drafter.
 
-The drafter keeps its own KV cache (`infer.kv.KVState`, full attention) of the context stream: slot t holds
-the drafter layers' pass over the target's features at committed token t.
+The drafter keeps its own KV cache (`infer.kv.KVState`, full attention) of the context: slot t holds each
+drafter layer's keys and values projected from the target's features at committed token t.
 
-- `observe` runs the features of the tokens the target just committed (the prompt, or root + accepted
-  drafts) as context slots, causal, and commits them.
+- `observe` writes the keys and values of the tokens the target just committed (the prompt, or root +
+  accepted drafts) as context slots and commits them; no layer runs.
 - `propose` runs one block after the cache: [root, mask x (block_size - 1)] at positions n .. n+S-1,
   attending to every committed slot and to the whole block. Block slot k gives the distribution of the
   token k places after the root. The block's slots are rolled back after.

@@ -1,29 +1,26 @@
-"""The DFlash block drafter module and the attention layout of its context and blocks."""
+"""The DFlash block drafter module in the reference layout (z-lab's, which vLLM and SGLang serve), and the
+attention layout of its context and blocks."""
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from torch import nn
+from transformers import DynamicCache, Qwen3Config
+from transformers.models.qwen3 import modeling_qwen3
 
 from infer.kv import additive_mask
 
 from ..base import DrafterModel
-from ..layers import arch_classes, build_layer_config, call_layer, first_norm, rotary_embeddings
+from ..layers import call_layer, rotary_embeddings
 from .config import DFlashConfig
 
 
 def build_layers(layer_config: dict, attn_implementation: str, count: int):
-    """`count` decoder layers of the target's class (layer_idx 0..count-1, all full attention, so one KV
-    cache holds them all) and, where the class needs one, its rotary embedding."""
-    config = build_layer_config(layer_config, attn_implementation)
-    config.num_hidden_layers = count
-    if getattr(config, "layer_types", None):
-        config.layer_types = ["full_attention"] * count
-    arch = arch_classes(config.model_type)
-    layers = nn.ModuleList(arch.layer(config, layer_idx=i) for i in range(count))
-    return layers, arch.rotary(config) if arch.rotary is not None else None
+    """`count` Qwen3 decoder layers (layer_idx 0..count-1, full attention) and their rotary embedding."""
+    fields = {k: v for k, v in layer_config.items() if k != "model_type"}
+    config = Qwen3Config(**fields, num_hidden_layers=count, attn_implementation=attn_implementation)
+    layers = nn.ModuleList(modeling_qwen3.Qwen3DecoderLayer(config, layer_idx=i) for i in range(count))
+    return layers, modeling_qwen3.Qwen3RotaryEmbedding(config)
 
 
 def block_attention(context_valid: torch.Tensor, anchors: torch.Tensor, size: int) -> torch.Tensor:
@@ -52,22 +49,25 @@ def block_positions(anchors: torch.Tensor, size: int) -> torch.Tensor:
 
 
 class DFlashModel(DrafterModel):
-    """`forward(features [B, C, n*D], anchor_ids [B, M], ...) -> (hidden [B, C+M*S, D], logits [B, M, S-1, V])`.
+    """`forward(features [B, C, n*D], anchor_ids [B, M], ...) -> (context [B, C, D], logits [B, M, S-1, V])`.
 
-    The input is C context slots and M blocks of S = `block_size` slots, one sequence through the
-    `num_layers` decoder layers of the target's class:
-      context slot t: norm(fc(concatenated target hidden states at `feature_layers`, position t))
-      block j:        [embedding of anchor_ids[:, j], mask_embed[0], ..., mask_embed[S-2]]
-    where the embedding is the target's own. Context slots attend causally among themselves; a block
-    attends to the context before its anchor and to all of itself (not causal), so the context is read as
-    keys and values at every layer. Block slot k = 1..S-1 predicts the token k places after the anchor,
-    through the drafter's norm and the target's frozen lm_head; the mask embedding is one learned vector
-    per block slot (it also gives position to architectures without rotary embeddings, GPT-2).
+    The input is C context slots and M blocks of S = `block_size` slots:
+      context slot t: ctx_t = hidden_norm(fc(concatenated target hidden states at `feature_layers`, position t))
+      block j:        [embedding of anchor_ids[:, j], mask, ..., mask] (S - 1 copies of one learned vector)
+    where the embedding is the target's own. The context never passes through a layer: each of the
+    `num_layers` Qwen3 decoder layers reads it as keys and values projected from ctx_t by that layer's own
+    k/v projections (keys k-normed, rotated to position t) and written into the KV cache. The blocks are the
+    queries: a block attends to the context before its anchor and to all of itself (not causal). Block slot
+    k = 1..S-1 predicts the token k places after the anchor, through the drafter's norm and the target's
+    frozen lm_head. This is the reference design (z-lab's DFlash and vLLM's `DFlashQwen3ForCausalLM`), so a
+    trained drafter exports to vLLM as it is (heads/export.py).
 
-    `attention_mask` is the 4D additive mask of that layout ([B, 1, C+M*S, past+C+M*S], `block_attention`
-    and `additive` build it; `infer.kv.KVState` does at inference, where the context sits in the cache).
-    Without one, the default is the inference layout: every cached slot is context, then the C new
-    context slots, then M blocks all anchored right after them; `position_ids` default accordingly.
+    `attention_mask` is the 4D additive mask over all C + M*S slots ([B, 1, C+M*S, past+C+M*S],
+    `block_attention` and `additive_mask` build it; `infer.kv.KVState` does at inference, where earlier
+    context sits in the cache); only the block rows are used, the context rows being keys only. Without one,
+    the default is the inference layout: every cached slot is context, then the C new context slots, then M
+    blocks all anchored right after them; `position_ids` default accordingly. Without `past_key_values`
+    the context lives in a cache made for the call (training: gradients flow through it).
     """
 
     config_class = DFlashConfig
@@ -82,10 +82,10 @@ class DFlashModel(DrafterModel):
         self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=config.fc_bias)
         self.layers, self.rotary_emb = build_layers(config.layer_config, config.attn_implementation,
                                                     config.num_layers)
-        norm = first_norm(self.layers[0])
-        self.context_norm = copy.deepcopy(norm)
-        self.norm = copy.deepcopy(norm)
-        self.mask_embed = nn.Embedding(config.block_size - 1, d)
+        eps = self.layers[0].input_layernorm.variance_epsilon
+        self.hidden_norm = modeling_qwen3.Qwen3RMSNorm(d, eps=eps)
+        self.norm = modeling_qwen3.Qwen3RMSNorm(d, eps=eps)
+        self.mask_embed = nn.Embedding(1, d)  # the one vector every mask slot starts from
         self.post_init()
 
     @property
@@ -104,8 +104,20 @@ class DFlashModel(DrafterModel):
         # anchor_ids: [B, M] -> [B, M*S, D]
         b, m = anchor_ids.shape
         anchors = self.embed_tokens(anchor_ids)[:, :, None]  # [B, M, 1, D]
-        masks = self.mask_embed.weight.to(anchors.dtype)[None, None].expand(b, m, -1, -1)  # [B, M, S-1, D]
+        masks = self.mask_embed.weight.to(anchors.dtype)[None, None].expand(b, m, self.config.block_size - 1, -1)
         return torch.cat([anchors, masks], dim=2).flatten(1, 2)
+
+    def write_context(self, cache, context: torch.Tensor, position_ids: torch.Tensor) -> None:
+        """Each layer's keys and values of the context slots (context [B, C, D] at position_ids [B, C]),
+        projected by the layer's own k/v projections and k-norm, rotated, appended to its cache."""
+        cos, sin = rotary_embeddings(self.rotary_emb, context, position_ids)
+        for layer in self.layers:
+            attn = layer.self_attn
+            shape = (*context.shape[:-1], -1, attn.head_dim)
+            keys = attn.k_norm(attn.k_proj(context).view(shape)).transpose(1, 2)  # [B, KV, C, d]
+            values = attn.v_proj(context).view(shape).transpose(1, 2)
+            _, keys = modeling_qwen3.apply_rotary_pos_emb(keys, keys, cos, sin)
+            cache.update(keys, values, attn.layer_idx)
 
     def forward(self, features, anchor_ids, *, attention_mask=None, position_ids=None, past_key_values=None,
                 cache_position=None):
@@ -114,23 +126,30 @@ class DFlashModel(DrafterModel):
         if features is None:
             features = self.fc.weight.new_zeros(b, 0, self.fc.in_features)
         c = features.shape[1]
-        x = torch.cat([self.context_norm(self.fc(features.to(self.dtype))), self.block_inputs(anchor_ids)], dim=1)
+        cache = past_key_values if past_key_values is not None else DynamicCache()
+        context = self.hidden_norm(self.fc(features.to(self.dtype)))  # [B, C, D]
         if attention_mask is None or position_ids is None:
-            past = past_key_values.get_seq_length() if past_key_values is not None else 0
-            valid = torch.ones(b, past + c, dtype=torch.bool, device=x.device)
-            anchors = torch.full((b, m), past + c, device=x.device)
+            past = cache.get_seq_length()
+            valid = torch.ones(b, past + c, dtype=torch.bool, device=context.device)
+            anchors = torch.full((b, m), past + c, device=context.device)
             if attention_mask is None:
-                attention_mask = additive_mask(block_attention(valid, anchors, s)[:, past:], x.dtype)
+                attention_mask = additive_mask(block_attention(valid, anchors, s)[:, past:], context.dtype)
             if position_ids is None:
-                context = torch.arange(past, past + c, device=x.device).expand(b, c)
-                position_ids = torch.cat([context, block_positions(anchors, s)], dim=1)
-        position_embeddings = rotary_embeddings(self.rotary_emb, x, position_ids)
+                positions = torch.arange(past, past + c, device=context.device).expand(b, c)
+                position_ids = torch.cat([positions, block_positions(anchors, s)], dim=1)
+        if c:
+            self.write_context(cache, context, position_ids[:, :c])
+        if not m:
+            return context, context.new_zeros(b, 0, s - 1, self.config.target_vocab_size)
+        x = self.block_inputs(anchor_ids)
+        block_pos = position_ids[:, c:]
+        position_embeddings = rotary_embeddings(self.rotary_emb, x, block_pos)
         for layer in self.layers:
-            x = call_layer(layer, x, attention_mask=attention_mask, position_ids=position_ids,
-                           past_key_values=past_key_values, cache_position=cache_position,
-                           position_embeddings=position_embeddings)
-        drafts = x[:, c:].reshape(b, m, s, x.shape[-1])[:, :, 1:]  # [B, M, S-1, D]: the mask slots
-        return x, self.target_logits(self.norm(drafts))
+            x = call_layer(layer, x, attention_mask=attention_mask[:, :, c:], position_ids=block_pos,
+                           past_key_values=cache, position_embeddings=position_embeddings,
+                           cache_position=None if cache_position is None else cache_position[c:])
+        drafts = x.view(b, m, s, x.shape[-1])[:, :, 1:]  # [B, M, S-1, D]: the mask slots
+        return context, self.target_logits(self.norm(drafts))
 
     def as_drafter(self, **tree_overrides):
         from .drafter import DFlashDrafter
