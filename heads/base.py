@@ -61,6 +61,9 @@ class DrafterConfig(PretrainedConfig):
     tree: dict | None = None  # drafting settings (kind-specific; see each kind's `TREE_DEFAULTS`)
     training: dict | None = None  # provenance for the model card: data, steps, ...
     metrics: dict | None = None  # measured results for the model card: mean accepted length, speedup, ...
+    # acceptance statistics on held-out prompts (`scripts/calibrate.py --write`), from which the tree is chosen
+    # per machine (`SelfSpecModel(..., tree="calibrated")`); see infer/calibrate.py
+    calibration: dict | None = None
 
     # Each kind lists its tree settings and their defaults; unknown keys are an error.
     TREE_DEFAULTS = {}

@@ -6,11 +6,20 @@ a simple prior: the rank-r candidate at depth d is right with probability `top1 
 the product along it. Keeping the `num_nodes` best paths gives a tree that is wide near the root and
 narrow deep down. Once a drafter is trained, calibrate the tree on real acceptance statistics and store
 the measured paths in its config instead.
+
+Calibration (`infer/calibrate.py`, `scripts/calibrate.py`) drafts a wide tree on held-out prompts and
+counts how often each node is accepted. A node is accepted only if its parent is, so P(accepted) never
+grows going down, and for a static tree the expected number of accepted drafts is exactly the sum of its
+nodes' P: the best tree of N nodes holds the N most likely paths, which are ancestor-closed. For EAGLE-2's
+dynamic tree the same holds for nodes ranked by the drafter's own score (keeping the `total_tokens` best is
+keeping ranks 0..N-1). `candidate_trees` turns such statistics into trees of 1..N nodes with their expected
+accepted drafts; `Prediction` adds the measured draft and verify cost and predicts tokens per second.
 """
 
 from __future__ import annotations
 
 import heapq
+from dataclasses import dataclass
 
 
 def prior_paths(depth: int, num_nodes: int, *, top1: float = 0.6, decay: float = 0.75, spread: float = 0.4,
@@ -45,3 +54,90 @@ def eagle_static_default_paths(depth: int = 6) -> list[tuple[int, ...]]:
     """30 nodes, 6 deep. One autoregressive drafter is more reliable per step than independent Medusa
     heads, so the prior decays slower and the tree is deeper and narrower."""
     return prior_paths(depth, 30, top1=0.8, decay=0.9, spread=0.3)
+
+
+# ---- calibrated trees --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A tree calibration may pick."""
+
+    tree: dict  # tree settings for the drafter (overrides of its saved ones)
+    nodes: int  # drafted nodes verified per step (the root not counted)
+    expected_accepted: float  # expected drafted tokens accepted per step, from the measured statistics
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A candidate with its measured per-step costs on this machine."""
+
+    candidate: Candidate
+    draft_seconds: float  # drafting one step (propose the tree + observe the accepted tokens)
+    verify_seconds: float  # one target forward over the root and the tree's nodes
+
+    @property
+    def tokens_per_second(self) -> float:
+        """E[accepted + 1] / (draft cost + verify cost): every step emits the accepted drafts and one token
+        of the target's own."""
+        return (1 + self.candidate.expected_accepted) / (self.draft_seconds + self.verify_seconds)
+
+
+def best_prediction(predictions: list[Prediction]) -> Prediction:
+    """The fastest predicted tree; on a tie the smaller one."""
+    if not predictions:
+        raise ValueError("no candidate trees to choose from: the calibration measured no steps")
+    return max(predictions, key=lambda p: (p.tokens_per_second, -p.candidate.nodes))
+
+
+def ranked_paths(paths: list, p_accept: list[float]) -> list[tuple[int, ...]]:
+    """Measured paths by decreasing P(accepted), a parent before its children on ties, so that every prefix
+    of the list is an ancestor-closed tree."""
+    if len(paths) != len(p_accept):
+        raise ValueError(f"calibration statistics hold {len(paths)} paths but {len(p_accept)} probabilities")
+    p = {tuple(path): float(q) for path, q in zip(paths, p_accept, strict=True)}
+    for path, q in p.items():
+        parent = path[:-1]
+        if parent and parent not in p:
+            raise ValueError(f"calibration path {list(path)} was measured without its parent {list(parent)}")
+        if parent and q > p[parent]:
+            raise ValueError(f"calibration path {list(path)} is accepted more often ({q:.4f}) than its parent "
+                             f"{list(parent)} ({p[parent]:.4f}), which cannot be: the statistics are damaged")
+    return sorted(p, key=lambda path: (-p[path], len(path), path))
+
+
+def dynamic_nodes(top_k: int, depth: int) -> int:
+    """Nodes an EAGLE-2 dynamic tree drafts at most down to `depth`: top_k children of the root, then top_k
+    children for each of the top_k best nodes per depth."""
+    return top_k + (depth - 1) * top_k * top_k
+
+
+def candidate_trees(measured: dict, max_nodes: int = 64) -> list[Candidate]:
+    """The trees of 1..`max_nodes` drafted nodes that one measured wide tree's statistics predict.
+
+    `measured` is one entry of a drafter's `config.calibration["measured"]`:
+      static:  {"mode": "static", "tree": {..., "paths": P}, "p_accept": [P(path accepted) per path in P]}
+      dynamic: {"mode": "dynamic", "tree": {..., "top_k": K, "depth": D}, "p_rank": [per depth limit d = 1..D:
+               P(the node ranked r among nodes no deeper than d by draft score is accepted), r = 0, 1, ...]}
+    Static candidates keep the N likeliest paths; dynamic ones keep the drafter's N best-scored nodes of a tree
+    drafted d deep (`total_tokens` = N, `depth` = d)."""
+    tree = measured["tree"]
+    out = []
+    if measured["mode"] == "static":
+        ranked = ranked_paths(tree["paths"], measured["p_accept"])
+        p = dict(zip(map(tuple, tree["paths"]), measured["p_accept"], strict=True))
+        expected = 0.0
+        for n, path in enumerate(ranked[:max_nodes], start=1):
+            expected += p[path]
+            kept = sorted(ranked[:n], key=lambda q: (len(q), q))
+            out.append(Candidate({**tree, "paths": [list(q) for q in kept]}, n, expected))
+        return out
+    if measured["mode"] != "dynamic":
+        raise ValueError(f"calibration mode must be 'static' or 'dynamic', got {measured['mode']!r}")
+    for depth, p_rank in enumerate(measured["p_rank"], start=1):
+        expected = 0.0
+        most = min(max_nodes, len(p_rank), dynamic_nodes(tree["top_k"], depth))
+        for n in range(1, most + 1):
+            expected += p_rank[n - 1]
+            out.append(Candidate({**tree, "depth": depth, "total_tokens": n}, n, expected))
+    return out

@@ -52,12 +52,16 @@ def verify_bucket(nodes: int) -> int:
     return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
 
 
-def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> Drafter:
+def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False, tree: dict | None = None) -> Drafter:
     """Turn what the user passed into a `Drafter`: a name from `infer.drafters.DRAFTERS` ("ngram", "gguf",
     "int8", "early_exit:8", ...), a heads model, a draft LM, or a Drafter.
 
     With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with. With
-    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead."""
+    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead. `tree` overrides
+    a heads drafter's saved tree settings."""
+    if tree is not None and not hasattr(drafter, "as_drafter"):
+        raise ValueError(f"tree= sets the drafting tree of a trained drafter (heads model); a "
+                         f"{type(drafter).__name__} has none: drop tree=")
     if isinstance(drafter, Drafter):
         out = drafter
     elif isinstance(drafter, str):
@@ -69,7 +73,7 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False) -> D
                 warnings.warn("the drafter records the tokenizer it was trained with, but the target's could "
                               "not be found to compare; pass tokenizer= to SelfSpecModel", stacklevel=3)
         drafter.attach(target, tokenizer)
-        out = drafter.as_drafter()
+        out = drafter.as_drafter(**(tree or {}))
     elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
         out = DraftModelDrafter(drafter)
     else:
@@ -178,11 +182,21 @@ class SelfSpecModel:
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
                  cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False,
-                 static_cache: bool | int = False):
+                 static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
         prepacked oneDNN weights (`infer.cpu_linear`); None = on for an fp32 CPU target whose linear weights
         take at most a quarter of RAM (off for the target when its verify is compiled).
+
+        `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or
+        "calibrated": the tree that maximizes predicted tokens/s on this machine, from the acceptance
+        statistics `scripts/calibrate.py --write` stored with the drafter and this machine's verify and draft
+        costs, measured on first use and cached per device (`infer.calibrate.calibrated_tree`).
+
+        `step_observer`: called as `step_observer(tree, acceptance, budget)` after every verify step with
+        the verified `DraftTree`, the `infer.verify.Acceptance` and the [B] depth budget the tree was cut to
+        (live rows only), e.g. to count which nodes are accepted (`infer.calibrate.AcceptanceRecorder`);
+        None (the default) costs nothing.
 
         `static_cache`: the target's KV cache is preallocated for the whole generation and committed in
         place (True: room for prompt + max_new_tokens, rounded up to 256 slots and kept for later calls of
@@ -202,7 +216,17 @@ class SelfSpecModel:
             raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static_cache!r}")
         _check_maskable(target)
         self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
-        self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first)
+        self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
+        if self.cpu_prepack and not cpu_linear.available():
+            raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
+        if tree is not None and not isinstance(tree, dict) and tree != "calibrated":
+            raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {tree!r}")
+        if tree == "calibrated" and hasattr(drafter, "as_drafter"):  # as_drafter refuses any other drafter
+            from .calibrate import calibrated_tree
+
+            tree = calibrated_tree(drafter, target, tokenizer, prepack=self.cpu_prepack)
+        self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first, tree)
+        self.step_observer = step_observer
         self.typical_acceptance = typical_acceptance
         self.static_cache = static_cache
         self._verify_forward = None  # the target's compiled forward for verify blocks (static cache only)
@@ -217,9 +241,6 @@ class SelfSpecModel:
                               stacklevel=2)
             if static_cache:
                 self._verify_forward = _CompiledForward(target)
-        self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
-        if self.cpu_prepack and not cpu_linear.available():
-            raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
         self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
@@ -230,14 +251,15 @@ class SelfSpecModel:
 
     @classmethod
     def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
-                        tokenizer=None, **hf_kwargs) -> SelfSpecModel:
+                        tokenizer=None, tree: dict | str | None = None, **hf_kwargs) -> SelfSpecModel:
         """Load a saved drafter and, unless given, the target recorded in its config (with its tokenizer,
         which is checked against the one the drafter was trained with; pass `tokenizer=` with your own
         target, or it is looked for beside the target).
 
         A Medusa-2 drafter (trained jointly with LoRA on the target) records `target_adapter`; the
         adapter saved beside it is applied to the loaded target and merged, since the heads only predict
-        well on top of the adapted target.
+        well on top of the adapted target. `tree` is passed on to `SelfSpecModel` ("calibrated": the tree
+        chosen for this machine).
         """
         import heads
 
@@ -252,11 +274,11 @@ class SelfSpecModel:
             target, tokenizer = resolve_target(name, **hf_kwargs)
             if adapter:
                 target = _merge_adapter(target, drafter_path_or_hub_id, adapter)
-            return cls(target, drafter, tokenizer=tokenizer)
+            return cls(target, drafter, tokenizer=tokenizer, tree=tree)
         if adapter:
             warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
                           f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)
-        return cls(target, drafter, tokenizer=tokenizer)
+        return cls(target, drafter, tokenizer=tokenizer, tree=tree)
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -325,6 +347,8 @@ class SelfSpecModel:
             emitted = torch.tensor([len(rows.out[r]) for r in rows.alive.tolist()], device=tree.tokens.device)
             step, acc = self._verify(kv, tree, settings, generator, emitted)
             stats["verify_seconds"] += time.perf_counter() - tic
+            if self.step_observer is not None:
+                self.step_observer(tree, acc, budget)
             stats["target_forwards"] += 1
             stats["row_forwards"] += len(rows.alive)
             # Emitted this step: the accepted drafts (the root was emitted last step), then the bonus.

@@ -51,6 +51,9 @@ class DraftTree:
     # token was drawn from. None when drafts are deterministic (top-k, argmax, lookup): q is then one-hot.
     q: torch.Tensor | None = None
     scored: ScoredNodes | None = None  # scored after the tree in the same forward, never accepted
+    # [B, N] float or None: the drafter's confidence in each node (EAGLE: cumulative draft log-prob), for
+    # observers of the engine (tree calibration ranks nodes by it); never read by verification.
+    scores: torch.Tensor | None = None
 
     def __post_init__(self):
         b, n = self.tokens.shape
@@ -59,6 +62,8 @@ class DraftTree:
                              f"{tuple(self.parents.shape)}, valid {tuple(self.valid.shape)}")
         if self.q is not None and self.q.shape[:2] != (b, n):
             raise ValueError(f"tree q must be [B, N, V]; got {tuple(self.q.shape)} for {n} nodes")
+        if self.scores is not None and self.scores.shape != (b, n):
+            raise ValueError(f"tree scores must be [B, N] = [{b}, {n}]; got {tuple(self.scores.shape)}")
         e = 0 if self.scored is None else self.scored.num_nodes
         if self.scored is not None and self.scored.attend.shape != (b, e, n + e):
             raise ValueError(f"scored nodes' attend must be [B, E, N + E] = [{b}, {e}, {n + e}]; got "
@@ -80,7 +85,8 @@ class DraftTree:
         if scored is not None:
             ok = scored.valid & (scored.offsets <= max_depth[:, None])
             scored = ScoredNodes(scored.tokens, torch.where(ok, scored.offsets, 0), scored.attend, ok)
-        return DraftTree(self.tokens, self.parents, self.valid & (depth <= max_depth[:, None]), self.q, scored)
+        return DraftTree(self.tokens, self.parents, self.valid & (depth <= max_depth[:, None]), self.q, scored,
+                         self.scores)
 
     def verify_block(self, depth: torch.Tensor, ancestors: torch.Tensor):
         """What the verify forward runs: tokens [B, M], position offsets [B, M], attend [B, M, M] and valid

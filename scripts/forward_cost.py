@@ -11,7 +11,6 @@ once with the prepacked weights SelfSpecModel uses on CPU (infer/cpu_linear.py).
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import statistics
@@ -19,28 +18,7 @@ import time
 
 import torch
 
-
-def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
-    """Median seconds of one forward over n new tokens after a `context`-token prefix, per n."""
-    from infer.kv import cache_argument
-
-    vocab = model.config.get_text_config().vocab_size
-    g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=g)
-    with torch.inference_mode():
-        cache = model(prefix, use_cache=True)[cache_argument(model)]
-        out = {}
-        for n in sizes:
-            ids = torch.randint(0, vocab, (1, n), generator=g)
-            pos = torch.arange(context, context + n)[None]
-            times = []
-            for _ in range(repeats + 1):  # the first run is a warm-up
-                kv = copy.deepcopy(cache)
-                tic = time.perf_counter()
-                model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv})
-                times.append(time.perf_counter() - tic)
-            out[n] = statistics.median(times[1:])
-    return out
+from infer.calibrate import forward_cost  # also what tree calibration times verify steps with
 
 
 def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:

@@ -17,6 +17,9 @@ EAGLE_TREE_DEFAULTS = {
     "top_k": 8,  # dynamic: children per expanded node, and nodes expanded per depth
     "total_tokens": 48,  # dynamic: drafted nodes kept after reranking (the root not counted)
     "paths": None,  # static: paths of ranks; None = `eagle_static_default_paths()`
+    # dynamic: a row stops drafting deeper once the best node of its last drafted depth has a cumulative draft
+    # probability below this (easy rows go deep, hard rows stop early); 0 = never stop early
+    "min_confidence": 0.0,
 }
 
 
@@ -26,6 +29,14 @@ def resolve_eagle_tree(tree: dict) -> dict:
     for name in ("depth", "top_k", "total_tokens"):
         if not isinstance(tree[name], int) or tree[name] < 1:
             raise ValueError(f"EAGLE tree {name} must be an int >= 1, got {tree[name]!r}")
+    confidence = tree["min_confidence"]
+    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)) or not 0 <= confidence < 1:
+        raise ValueError(f"EAGLE tree min_confidence must be a number in [0, 1) (0 = never stop early), got "
+                         f"{confidence!r}")
+    if tree["mode"] == "static" and confidence > 0:
+        raise ValueError(f"EAGLE tree min_confidence={confidence} stops the dynamic tree early; a static tree "
+                         "drafts its fixed paths: set mode='dynamic' or min_confidence=0")
+    tree["min_confidence"] = float(confidence)
     if tree["mode"] == "static" and tree["paths"] is None:
         tree["paths"] = eagle_static_default_paths()
     if tree["paths"] is not None:

@@ -10,11 +10,16 @@ over the pair (token x_{t+1}, feature f_t) at position t:
   and to its drafted ancestors only. Dynamic mode (EAGLE-2) expands, at every depth, the `top_k` nodes with
   the highest cumulative draft log-probability, `top_k` children each, then keeps the `total_tokens` best
   nodes overall; static mode (EAGLE-1) expands fixed paths of ranks. Drafted slots are rolled back after.
+  With `min_confidence`, a dynamic row stops expanding once the best node it could expand next has a
+  cumulative draft probability below it: easy rows draft deep, hard rows stop early (their deeper nodes are
+  invalid, and drafting ends when every row has stopped). Only the tree changes, never the output.
 
 Drafts are deterministic (top-k), so siblings are distinct and `DraftTree.q` is None.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -52,6 +57,7 @@ class EagleDrafter(HeadDrafter):
         self.tree = tree
         self.static = StaticLevels(tree["paths"]) if tree["mode"] == "static" else None
         self.max_depth = self.static.depth if self.static else tree["depth"]
+        self.log_min_confidence = math.log(tree["min_confidence"]) if tree["min_confidence"] > 0 else None
         self.kv = self.root = self.last_hidden = self.last_logits = None
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
@@ -79,6 +85,8 @@ class EagleDrafter(HeadDrafter):
         max_depth = min(self.max_depth, int(budget.max()))
         tokens, parents = [self.root[:, None]], [torch.full_like(self.root[:, None], -1)]
         scores = [torch.zeros(b, 1, device=self.root.device)]
+        valid = [torch.ones(b, 1, dtype=torch.bool, device=self.root.device)]
+        expanding = valid[0][:, 0]  # [B] rows still drafting deeper (min_confidence stops the others)
         # The frontier: nodes whose children are drafted next, with the drafter's output at each.
         f_node = torch.zeros_like(self.root[:, None])  # [B, F] node ids
         f_score = scores[0]  # [B, F] cumulative draft log-prob
@@ -94,8 +102,11 @@ class EagleDrafter(HeadDrafter):
             tokens.append(self.model.draft_to_target(c_tok))
             parents.append(f_node.gather(1, c_from))
             scores.append(c_score)
+            valid.append(expanding[:, None].expand_as(c_tok))
             first, num_nodes = num_nodes, num_nodes + c_tok.shape[1]
-            if d == max_depth:
+            if self.log_min_confidence is not None:
+                expanding = expanding & (c_score.max(1).values >= self.log_min_confidence)
+            if d == max_depth or not expanding.any():
                 break
             pick = self._next_frontier(d, c_score)  # [B, F'] indices into this depth's children
             p_from = c_from.gather(1, pick)
@@ -108,7 +119,7 @@ class EagleDrafter(HeadDrafter):
             f_node, f_score, f_anc = first + pick, c_score.gather(1, pick), anc
             f_logp = torch.log_softmax(logits.float(), -1)
         self.kv.rollback(committed)
-        tree = self._select(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1))
+        tree = self._select(torch.cat(tokens, 1), torch.cat(parents, 1), torch.cat(scores, 1), torch.cat(valid, 1))
         return tree.prune_deeper_than(budget)
 
     def _children(self, d: int, f_logp: torch.Tensor):
@@ -139,11 +150,13 @@ class EagleDrafter(HeadDrafter):
         attend.scatter_(2, ancestors, True)
         return kv.forward(self.model, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
 
-    def _select(self, tokens, parents, scores) -> DraftTree:
-        """Static: every node. Dynamic: the root and the `total_tokens` best nodes by cumulative log-prob."""
+    def _select(self, tokens, parents, scores, valid) -> DraftTree:
+        """Static: every node. Dynamic: the root and the `total_tokens` best valid nodes by cumulative
+        log-prob (fewer when every row stopped early with fewer)."""
         if self.static is not None:
-            return DraftTree(tokens, parents, torch.ones_like(tokens, dtype=torch.bool))
-        return keep_best(tokens, parents, scores, self.tree["total_tokens"])
+            return DraftTree(tokens, parents, valid, scores=scores)
+        most_valid = int(valid.sum(1).max()) - 1
+        return keep_best(tokens, parents, scores, min(self.tree["total_tokens"], most_valid), valid)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.kv.select_rows(rows)
@@ -151,21 +164,25 @@ class EagleDrafter(HeadDrafter):
             self.last_logits[rows]
 
 
-def keep_best(tokens, parents, scores, total: int) -> DraftTree:
-    """The root and the `total` drafted nodes of highest cumulative draft log-prob `scores`.
+def keep_best(tokens, parents, scores, total: int, valid=None) -> DraftTree:
+    """The root and the `total` drafted nodes of highest cumulative draft log-prob `scores`, invalid nodes
+    last; the kept nodes' scores ride along in the tree.
 
-    A child never scores above its parent and comes after it, so a stable descending sort ranks parents
-    first and the kept set is ancestor-closed. Kept nodes stay in creation (depth) order."""
-    # tokens, parents, scores: [B, M]
+    A child never scores above its parent and comes after it, and an invalid node's children are invalid,
+    so a stable descending sort ranks parents first and the kept set is ancestor-closed. Kept nodes stay in
+    creation (depth) order."""
+    # tokens, parents, scores, valid: [B, M]
     b, m = tokens.shape
-    valid = torch.ones(b, m, dtype=torch.bool, device=tokens.device)
+    if valid is None:
+        valid = torch.ones(b, m, dtype=torch.bool, device=tokens.device)
     if m - 1 <= total:
-        return DraftTree(tokens, parents, valid)
-    best = scores[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total]
+        return DraftTree(tokens, parents, valid, scores=scores)
+    ranked = scores.masked_fill(~valid, -float("inf"))
+    best = ranked[:, 1:].sort(dim=1, descending=True, stable=True).indices[:, :total]
     nodes = torch.cat([torch.zeros_like(best[:, :1]), (best + 1).sort(dim=1).values], dim=1)  # [B, n]
     new_id = torch.full_like(tokens, -1)
     new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes))
     old_parent = parents.gather(1, nodes)
     new_parent = torch.where(old_parent >= 0, new_id.gather(1, old_parent.clamp(min=0)), -1)
     assert (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
-    return DraftTree(tokens.gather(1, nodes), new_parent, valid[:, : nodes.shape[1]])
+    return DraftTree(tokens.gather(1, nodes), new_parent, valid.gather(1, nodes), scores=scores.gather(1, nodes))

@@ -1,0 +1,456 @@
+"""Trees calibrated to the machine and the drafter.
+
+A trained drafter's tree is worth what it gains per second: (1 + E[accepted drafts]) / (draft cost + verify
+cost) per step. The first factor belongs to the drafter and the data, the second to the machine, so they
+are measured apart:
+
+1. acceptance (`measure_acceptance`): the drafter drafts a wide tree on held-out prompts through
+   `SelfSpecModel` (greedy), and an `AcceptanceRecorder` counts which nodes the target accepts: per path of
+   sibling ranks for a static tree, per rank in the drafter's score order for EAGLE-2's dynamic tree.
+   Greedy acceptance does not depend on the machine, so the statistics are stored with the drafter
+   (`config.calibration`, written by `scripts/calibrate.py --write`).
+2. cost (`verify_costs`, `draft_costs`): one verify forward over 1..64 drafted nodes plus the root, with
+   the prepacked weights the engine uses, and one drafting step per candidate tree, timed on this machine.
+   The verify curve is cached per target shape, device name, torch threads and context
+   (`$SELFSPEC_CACHE/calibration`, default ~/.cache/selfspec/calibration).
+3. choice (`heads.trees.candidate_trees`, `best_prediction`): for every tree of N = 1..64 nodes the
+   statistics predict E[accepted], and the one with the highest predicted tokens/s wins.
+
+`SelfSpecModel(target, drafter, tree="calibrated")` runs 2 and 3 on first use (`calibrated_tree`) and
+caches the choice, so a drafter calibrated once picks its tree again on every machine it runs on. A
+calibrated dynamic tree drafts without the early stop (`min_confidence` 0): the statistics are of the full
+tree. Greedy output never depends on the tree; only the speed does.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from heads.trees import Prediction, best_prediction, candidate_trees, prior_paths
+
+from . import cpu_linear
+from .drafting import TargetStep
+from .embedded import cache_dir
+from .engine import SelfSpecModel, _generation_mode, _max_positions
+from .kv import cache_argument
+from .sampling import SamplingParams
+
+MAX_NODES = 64  # the largest tree calibration considers (drafted nodes, the root not counted)
+WIDE = 128  # drafted nodes of the tree acceptance is measured on; candidate trees are its subsets
+PROMPT_FIELDS = ("turns", "prompt", "instruction")  # where a prompt file's objects hold the prompt
+PROMPT_HELP = ("one prompt per line: a JSON string, or an object with 'turns' (MT-bench/Spec-Bench: the "
+               "first turn is used), 'prompt', or 'instruction' (Alpaca, with an optional 'input')")
+
+
+# ---------------------------------------------------------------------------------------------- prompts
+def load_prompts(path: str | Path) -> list[str]:
+    """Held-out prompts from a .jsonl file (see PROMPT_HELP) or a .json array of the same items."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no prompt file at {path}; pass --prompts with held-out prompts: {PROMPT_HELP}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 "
+                         "JSON Lines") from None
+    if text.lstrip().startswith("["):
+        try:
+            items = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}); fix line "
+                             f"{err.lineno}") from None
+        prompts = [_prompt(item, f"{path}: element {i} of the array") for i, item in enumerate(items)]
+    else:
+        prompts = []
+        for number, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                item = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno}); fix or remove "
+                                 f"line {number} (JSON Lines: {PROMPT_HELP})") from None
+            prompts.append(_prompt(item, f"{path}:{number}"))
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts (the file is empty); write {PROMPT_HELP}")
+    return prompts
+
+
+def _prompt(item, where: str) -> str:
+    if isinstance(item, dict):
+        field = next((f for f in PROMPT_FIELDS if f in item), None)
+        if field is None:
+            raise ValueError(f"{where}: an object without any of {list(PROMPT_FIELDS)} (it has {sorted(item)}); "
+                             f"write {PROMPT_HELP}")
+        value = item[field]
+        if field == "turns":
+            value = value[0] if isinstance(value, list) and value else None
+        elif field == "instruction" and item.get("input"):
+            value = f"{value}\n\n{item['input']}" if isinstance(value, str) else value
+        item = value
+        if not isinstance(item, str):
+            raise ValueError(f"{where}: {field!r} must hold text (turns: a non-empty list of strings), got "
+                             f"{item!r:.60}")
+    if not isinstance(item, str):
+        raise ValueError(f"{where}: a JSON {type(item).__name__}, not a prompt; write {PROMPT_HELP}")
+    if not item.strip():
+        raise ValueError(f"{where}: the prompt is empty; fill it in or remove it")
+    return item
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[torch.Tensor]:
+    """[1, T] ids per prompt: a one-turn chat through the tokenizer's template when it has one, else the text."""
+    if getattr(tokenizer, "chat_template", None):
+        return [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
+                                              return_tensors="pt", return_dict=True)["input_ids"] for p in prompts]
+    return [tokenizer(p, return_tensors="pt")["input_ids"] for p in prompts]
+
+
+# ---------------------------------------------------------------------------------------------- acceptance
+class AcceptanceRecorder:
+    """A `SelfSpecModel` step observer counting which drafted nodes the target accepts.
+
+    Static trees: per path (node i of the verified tree is path i - 1 in `tree_from_paths` order, the order
+    every static drafter builds). Dynamic trees: per rank of the node in the drafter's score order among the
+    nodes no deeper than d, for every depth limit d (a tree drafted d deep keeping its N best nodes keeps
+    ranks 0..N-1). A row whose tree the token budget cut (a generation's last steps) is left out of the
+    statistics, as its deep nodes were never drafted; `accepted` lists every row's accepted drafts."""
+
+    def __init__(self, mode: str, *, paths: list | None = None, depth: int | None = None,
+                 max_nodes: int = MAX_NODES):
+        if mode not in ("static", "dynamic"):
+            raise ValueError(f"mode must be 'static' or 'dynamic', got {mode!r}")
+        self.mode, self.max_nodes = mode, max_nodes
+        if mode == "static":
+            self.paths = sorted({tuple(p) for p in paths}, key=lambda p: (len(p), p))
+            self.hits = torch.zeros(len(self.paths), dtype=torch.float64)
+            self.depth = max(len(p) for p in self.paths)
+        else:
+            self.hits = torch.zeros(depth, max_nodes, dtype=torch.float64)  # [depth limit, rank]
+            self.depth = depth
+        self.steps = 0  # (step, row) pairs counted
+        self.counted_accepted = 0  # drafted tokens accepted in them
+        self.accepted: list[int] = []  # drafted tokens accepted per (step, row), in the engine's order
+
+    def __call__(self, tree, acc, budget) -> None:
+        # budget: [B] the depth each row's tree was cut to
+        lengths = acc.length.tolist()
+        self.accepted.extend(n - 1 for n in lengths)
+        whole = (budget >= self.depth) & tree.valid.all(1)  # [B]
+        if not whole.any():
+            return
+        if self.mode == "static" and tree.num_nodes != len(self.paths) + 1:
+            raise ValueError(f"the drafter verified {tree.num_nodes - 1} nodes, not the {len(self.paths)} paths "
+                             "being calibrated: pass it the same static tree")
+        if self.mode == "dynamic" and tree.scores is None:
+            raise ValueError("dynamic calibration ranks nodes by the drafter's scores, and this drafter's trees "
+                             "carry none: calibrate EAGLE's dynamic tree, or a static tree (mode='static')")
+        depth = tree.depth_and_ancestors()[0] if self.mode == "dynamic" else None
+        for row in whole.nonzero()[:, 0].tolist():
+            nodes = acc.path[row, 1:lengths[row]].cpu()  # accepted drafted nodes, shallowest first
+            self.steps += 1
+            self.counted_accepted += len(nodes)
+            if self.mode == "static":
+                self.hits[nodes - 1] += 1
+            else:
+                self._count_ranks(tree.scores[row].cpu(), depth[row].cpu(), nodes)
+
+    def _count_ranks(self, scores: torch.Tensor, depth: torch.Tensor, nodes: torch.Tensor) -> None:
+        # scores, depth: [N] per node of the verified tree; nodes: the accepted drafted ones
+        order = scores[1:].sort(descending=True, stable=True).indices + 1  # drafted nodes, best first (keep_best's)
+        for limit in range(1, self.hits.shape[0] + 1):
+            ranked = order[depth[order] <= limit]
+            rank = torch.full_like(scores, -1, dtype=torch.long)
+            rank[ranked] = torch.arange(len(ranked))
+            r = rank[nodes]
+            r = r[(r >= 0) & (r < self.max_nodes)]
+            self.hits[limit - 1, r] += 1
+
+    def statistics(self) -> dict:
+        """{"mode", "steps", "mean_accepted" (drafts per counted step, the wide tree's) and "p_accept"
+        (static, per path) or "p_rank" (dynamic, per depth limit and rank)}."""
+        if self.steps == 0:
+            raise ValueError("no verify step could be counted (every tree was cut by the token budget): give "
+                             "more prompts or a larger max_new_tokens")
+        p = [round(x, 6) for x in (self.hits / self.steps).flatten().tolist()]
+        out = {"mode": self.mode, "steps": self.steps, "mean_accepted": round(self.counted_accepted / self.steps, 6)}
+        if self.mode == "static":
+            return {**out, "p_accept": p}
+        width = self.hits.shape[1]
+        return {**out, "p_rank": [p[i:i + width] for i in range(0, len(p), width)]}
+
+
+def wide_tree(config, mode: str | None = None, *, wide: int = WIDE, depth: int | None = None,
+              top_k: int | None = None) -> dict:
+    """The tree settings acceptance is measured on: the `wide` best paths of a generous prior for a static
+    tree (Medusa, EAGLE-1), or for EAGLE-2's dynamic tree its `wide` best-scored nodes. `depth` and `top_k`
+    default to the drafter's own; the early stop is off (its tree would depend on the confidence)."""
+    tree, known = config.tree, config.TREE_DEFAULTS
+    if "paths" not in known:
+        raise ValueError(f"calibration chooses static paths or EAGLE's dynamic tree; a {config.model_type} "
+                         f"drafter's tree has settings {sorted(known)}")
+    dynamic_capable = "mode" in known
+    mode = mode or (tree["mode"] if dynamic_capable else "static")
+    if mode == "dynamic" and not dynamic_capable:
+        raise ValueError(f"a {config.model_type} drafter drafts static trees only; calibrate with mode='static'")
+    if mode == "dynamic":
+        return {"mode": "dynamic", "top_k": top_k or tree["top_k"], "depth": depth or tree["depth"],
+                "total_tokens": wide, "min_confidence": 0.0}
+    if mode != "static":
+        raise ValueError(f"calibration mode must be 'static' or 'dynamic', got {mode!r}")
+    if depth is None:
+        depth = max(len(p) for p in tree["paths"]) if tree.get("paths") else tree["depth"]
+    paths = [list(p) for p in prior_paths(depth, wide, top1=0.8, decay=0.9, spread=0.3)]
+    return {"mode": "static", "paths": paths, "min_confidence": 0.0} if dynamic_capable else {"paths": paths}
+
+
+def measure_acceptance(target, drafter, prompts: list[torch.Tensor], tree: dict, *, max_new_tokens: int = 64,
+                       max_nodes: int = MAX_NODES, tokenizer=None, prepack: bool | None = None) -> dict:
+    """Greedy generation of every prompt ([1, T] ids) with `drafter` (a heads model) drafting `tree`; the
+    acceptance statistics as one entry of `config.calibration["measured"]`."""
+    mode = tree.get("mode", "static")
+    if mode == "dynamic" and tree["total_tokens"] < max_nodes:
+        raise ValueError(f"a dynamic tree keeping {tree['total_tokens']} nodes cannot rank {max_nodes}: measure "
+                         f"with total_tokens >= max_nodes")
+    recorder = AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"), max_nodes=max_nodes)
+    model = SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=tree, cpu_prepack=prepack,
+                          step_observer=recorder)
+    for ids in prompts:
+        model.generate(ids, max_new_tokens=max_new_tokens)
+    return {**recorder.statistics(), "tree": tree}
+
+
+# ---------------------------------------------------------------------------------------------- costs
+def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of one forward over n new tokens after a `context`-token prefix, per n (each timed
+    `repeats` times after a warm-up)."""
+    vocab = model.config.get_text_config().vocab_size
+    device = model.device
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    with torch.inference_mode():
+        cache = model(prefix, use_cache=True)[cache_argument(model)]
+        out = {}
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            pos = torch.arange(context, context + n, device=device)[None]
+            times = []
+            for _ in range(repeats + 1):  # the first run is a warm-up
+                kv = copy.deepcopy(cache)
+                _sync(device)
+                tic = time.perf_counter()
+                model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv})
+                _sync(device)
+                times.append(time.perf_counter() - tic)
+            out[n] = statistics.median(times[1:])
+    return out
+
+
+def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
+                 prepack: bool | None = None) -> list[float]:
+    """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine (the
+    engine's prepacked weights where it uses them), cached per target shape, device, threads and context."""
+    prepack = _prepack(target, prepack)
+    context = _fitting_context(target, context, max_nodes + 1)
+    fields = {"target": _fingerprint(target), "device": device_name(target.device),
+              "threads": torch.get_num_threads(), "context": context, "prepack": prepack}
+    cached = _read_cache("verify", fields)
+    if cached is not None and len(cached["seconds"]) > max_nodes:
+        return cached["seconds"][: max_nodes + 1]
+    with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack):
+        costs = forward_cost(target, context, list(range(1, max_nodes + 2)), repeats)
+    seconds = [costs[n + 1] for n in range(max_nodes + 1)]
+    _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
+    return seconds
+
+
+def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repeats: int = 5,
+                prepack: bool | None = None) -> list[float]:
+    """Seconds of one drafting step per tree settings in `trees` on this machine: the drafter (a heads model)
+    proposing the tree after a `context`-token prompt, plus observing a step that committed two tokens.
+    Trees drafted alike (dynamic ones differing only in `total_tokens`) are timed once."""
+    prepack = _prepack(target, prepack)
+    device = target.device
+    context = _fitting_context(target, context, 2 * (repeats + 1) + max(_depth(t) for t in trees) + 1)
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
+    budget = torch.tensor([context], device=device)  # never the limit
+    timed, observe = {}, None
+    with _generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(target, drafter,
+                                                                                       enabled=prepack):
+        out = target(ids, output_hidden_states=bool(drafter.feature_layers))
+        features = tuple(out.hidden_states[i] for i in drafter.feature_layers)
+        ones = torch.ones_like(ids, dtype=torch.bool)
+        prompt = TargetStep(ids, ones, features, out.logits[:, -1].argmax(-1))
+        accepted = TargetStep(ids[:, -2:], ones[:, -2:], tuple(h[:, -2:] for h in features), prompt.next_tokens)
+        for tree in trees:
+            key = _draft_key(tree)
+            if key in timed:
+                continue
+            step = drafter.as_drafter(**tree)
+            step.bind(target, SamplingParams(), 1)
+            step.observe(prompt)
+            if observe is None:
+                observe = _median_seconds(lambda s=step: s.observe(accepted), repeats, device)
+            timed[key] = _median_seconds(lambda s=step: s.propose(budget), repeats, device)
+    return [observe + timed[_draft_key(tree)] for tree in trees]
+
+
+# ---------------------------------------------------------------------------------------------- choice
+def predict(target, drafter, calibration: dict, *, max_nodes: int = MAX_NODES, context: int = 256,
+            repeats: int = 5, prepack: bool | None = None) -> list[Prediction]:
+    """Every candidate tree the stored statistics allow, with this machine's draft and verify cost."""
+    candidates = [c for measured in calibration["measured"] for c in candidate_trees(measured, max_nodes)]
+    if not candidates:
+        raise ValueError("the calibration statistics allow no tree; recalibrate the drafter")
+    verify = verify_costs(target, max(c.nodes for c in candidates), context=context, repeats=repeats,
+                          prepack=prepack)
+    draft = draft_costs(target, drafter, [c.tree for c in candidates], context=context, repeats=repeats,
+                        prepack=prepack)
+    return [Prediction(c, d, verify[c.nodes]) for c, d in zip(candidates, draft, strict=True)]
+
+
+def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None = None,
+              top_k: list[int] | None = None, depth: int | None = None, wide: int = WIDE,
+              max_nodes: int = MAX_NODES, max_new_tokens: int = 64, context: int = 256, repeats: int = 5,
+              tokenizer=None, prepack: bool | None = None) -> tuple[dict, list[Prediction]]:
+    """Measure `drafter`'s acceptance on `prompts` ([1, T] ids each, held out from its training data) with a
+    wide tree (once per `top_k` for a dynamic tree), then this machine's costs; returns the statistics for
+    `config.calibration` and the prediction for every candidate tree (`heads.trees.best_prediction` picks)."""
+    if not 1 <= max_nodes <= wide:
+        raise ValueError(f"max_nodes must be in 1..wide={wide} (candidate trees are subsets of the measured "
+                         f"one), got {max_nodes}")
+    if not prompts:
+        raise ValueError("calibration needs at least one held-out prompt")
+    trees = [wide_tree(drafter.config, mode, wide=wide, depth=depth, top_k=k) for k in (top_k or [None])]
+    trees = list({json.dumps(t, sort_keys=True): t for t in trees}.values())  # a static tree ignores top_k
+    measured = [measure_acceptance(target, drafter, prompts, tree, max_new_tokens=max_new_tokens,
+                                   max_nodes=max_nodes, tokenizer=tokenizer, prepack=prepack) for tree in trees]
+    calibration = {"measured": measured, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    return calibration, predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
+                                repeats=repeats, prepack=prepack)
+
+
+def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = None, max_nodes: int = MAX_NODES,
+                    context: int = 256, repeats: int = 3) -> dict:
+    """The tree settings that maximize predicted tokens/s for `drafter` (a heads model) on this machine, from
+    the acceptance statistics stored with it (`scripts/calibrate.py --write`) and this machine's costs.
+
+    The first call for a target, device, torch thread count and drafter measures the costs, `repeats` times
+    each after a warm-up: a verify forward over each of 1..`max_nodes` + 1 tokens after a `context`-token
+    prefix (the curve is shared by every drafter of the target), and one drafting step per candidate tree
+    (`max_nodes` static trees, or one per depth for a dynamic tree). That is 4 x 65 target forwards and up to
+    4 x 64 drafting steps at the defaults: well under a second for the tiny test models, and by an estimate
+    from SmolLM2-135M's ~65 ms forward on 2 CPU cores, half a minute or so there (not timed). The choice is
+    then cached (`$SELFSPEC_CACHE/calibration`), and later calls read one small JSON file."""
+    calibration = drafter.config.calibration
+    if not calibration or not calibration.get("measured"):
+        raise ValueError("tree='calibrated' chooses the tree from the drafter's acceptance statistics on held-out "
+                         "prompts, and this drafter has none: run scripts/calibrate.py --drafter <its folder> "
+                         "--prompts <held-out prompts> --write once, or leave tree= unset for its saved tree")
+    drafter.attach(target, tokenizer)
+    prepack = _prepack(target, prepack)
+    fields = {"target": _fingerprint(target), "drafter": _config_hash(drafter.config),
+              "device": device_name(target.device), "threads": torch.get_num_threads(), "context": context,
+              "prepack": prepack, "max_nodes": max_nodes}
+    cached = _read_cache("tree", fields)
+    if cached is not None:
+        return cached["tree"]
+    best = best_prediction(predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
+                                   repeats=repeats, prepack=prepack))
+    _write_cache("tree", fields, {"tree": best.candidate.tree, "nodes": best.candidate.nodes,
+                                  "tokens_per_second": best.tokens_per_second})
+    return best.candidate.tree
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def device_name(device: torch.device) -> str:
+    """The GPU's or CPU's model name: what a cost curve is cached under."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or device.type
+
+
+def _fingerprint(model) -> str:
+    """What a model's forward cost depends on: its class, dtype and parameter shapes."""
+    shapes = [(name, list(p.shape)) for name, p in model.named_parameters()]
+    return _hash([type(model).__name__, str(model.dtype), shapes])
+
+
+def _config_hash(config) -> str:
+    return _hash(config.to_dict())
+
+
+def _hash(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def _cache_file(kind: str, fields: dict) -> Path:
+    return cache_dir() / "calibration" / f"{kind}-{_hash(fields)}.json"
+
+
+def _read_cache(kind: str, fields: dict) -> dict | None:
+    path = _cache_file(kind, fields)
+    try:
+        entry = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None  # not measured yet, or a damaged file: measure again (and overwrite it)
+    return entry if entry.get("fields") == fields else None
+
+
+def _write_cache(kind: str, fields: dict, content: dict) -> None:
+    path = _cache_file(kind, fields)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(f".{os.getpid()}.tmp")
+    partial.write_text(json.dumps({"fields": fields, **content}, indent=1))
+    partial.replace(path)
+
+
+def _prepack(target, prepack: bool | None) -> bool:
+    """The engine's default: prepacked weights for an fp32 CPU target that fits them."""
+    return cpu_linear.worth_it(target) if prepack is None else bool(prepack) and cpu_linear.available()
+
+
+def _fitting_context(target, context: int, extra: int) -> int:
+    """`context`, shortened where the target's positions cannot hold it plus `extra` tokens."""
+    most = _max_positions(target.config)
+    return max(1, min(context, most - extra)) if most else context
+
+
+def _depth(tree: dict) -> int:
+    return max(len(p) for p in tree["paths"]) if tree.get("mode", "static") == "static" else tree["depth"]
+
+
+def _draft_key(tree: dict) -> str:
+    return json.dumps({k: v for k, v in tree.items() if k != "total_tokens"}, sort_keys=True)
+
+
+def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+    times = []
+    for _ in range(repeats + 1):  # the first run is a warm-up
+        _sync(device)
+        tic = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - tic)
+    return statistics.median(times[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,112 @@
+"""Calibrate a trained drafter's tree to its acceptance on held-out prompts and to this machine's costs.
+
+The drafter drafts a wide tree on the prompts (greedy, through SelfSpecModel), which gives how often each
+node of it is accepted; this machine's verify forward is timed for 1..64 drafted nodes and the drafter's
+step for every candidate tree. The table gives, per tree size N, the expected accepted drafts per step,
+the costs and the predicted tokens/s = (1 + E_acc) / (draft + verify); the best tree is printed, and with
+--write stored in the drafter's config.json with the statistics, which `SelfSpecModel(..., tree=
+"calibrated")` uses to choose the tree again on another machine. Greedy output does not depend on the tree.
+
+    python scripts/calibrate.py --drafter runs/demo/drafter --prompts held_out.jsonl --write
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--drafter", required=True, help="a saved drafter folder (Medusa, EAGLE, EAGLE-3)")
+    parser.add_argument("--prompts", required=True,
+                        help="held-out prompts, not seen in training: .jsonl (one JSON string or object with "
+                             "'turns', 'prompt' or 'instruction' per line) or a .json array of them")
+    parser.add_argument("--target", default=None, help="the target (default: the one the drafter records)")
+    parser.add_argument("--limit", type=int, default=0, help="use the first N prompts (0 = all)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--mode", choices=["static", "dynamic"], default=None,
+                        help="the tree kind to calibrate (default: the drafter's; Medusa is static)")
+    parser.add_argument("--top-k", type=int, action="append", default=None,
+                        help="dynamic: branching to measure, repeatable, one measuring run each (default: the "
+                             "drafter's)")
+    parser.add_argument("--depth", type=int, default=None, help="depth of the measured tree (default: the drafter's)")
+    parser.add_argument("--wide", type=int, default=128, help="drafted nodes of the measured tree")
+    parser.add_argument("--max-nodes", type=int, default=64, help="the largest tree to consider")
+    parser.add_argument("--context", type=int, default=256, help="context length the costs are timed at")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per cost (median)")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--write", action="store_true",
+                        help="store the chosen tree and the statistics in the drafter's config.json")
+    args = parser.parse_args(argv)
+
+    import heads
+    from heads.card import write_model_card
+    from heads.trees import best_prediction
+    from infer.calibrate import calibrate, encode_prompts, load_prompts
+    from infer.embedded import resolve_target
+
+    prompts = load_prompts(args.prompts)  # bad input fails here, before any model loads
+    if args.limit:
+        prompts = prompts[: args.limit]
+    if args.write and not Path(args.drafter).is_dir():
+        raise SystemExit(f"--write updates a local drafter folder; {args.drafter} is not one")
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    drafter = heads.load(args.drafter)
+    name = args.target or drafter.config.base_model_name_or_path
+    if not name:
+        raise SystemExit(f"{args.drafter} records no target; pass --target")
+    target, tokenizer = resolve_target(name)
+    calibration, predictions = calibrate(
+        target, drafter, encode_prompts(tokenizer, prompts), mode=args.mode, top_k=args.top_k, depth=args.depth,
+        wide=args.wide, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens, context=args.context,
+        repeats=args.repeats, tokenizer=tokenizer)
+    best = best_prediction(predictions)
+    steps = sum(m["steps"] for m in calibration["measured"])
+    print(f"{drafter.kind} drafter {args.drafter} on {name}: {len(prompts)} prompts, {steps} verify steps "
+          f"measured; {torch.get_num_threads()} threads, costs at context {args.context}")
+    print(table(predictions, best))
+    print(f"best: {best.candidate.nodes} nodes, {describe(best.candidate.tree)}, predicted "
+          f"{best.tokens_per_second:.1f} tokens/s")
+    if args.write:
+        config = drafter.config
+        config.tree = config.resolve_tree({**config.tree, **best.candidate.tree})
+        config.calibration = calibration
+        config.save_pretrained(args.drafter)  # config.json only: the weights are unchanged
+        registered = heads.REGISTRY.get(drafter.kind)
+        write_model_card(args.drafter, config, kind=drafter.kind, title=registered.title if registered else None)
+        print(f"wrote the tree and the statistics to {Path(args.drafter) / 'config.json'}")
+    return 0
+
+
+def table(predictions, best) -> str:
+    """A markdown table: per tree size, the fastest tree of that size; the chosen one marked."""
+    fastest = {}
+    for p in predictions:
+        n = p.candidate.nodes
+        if n not in fastest or p.tokens_per_second > fastest[n].tokens_per_second:
+            fastest[n] = p
+    lines = ["| N | E_acc | verify ms | draft ms | predicted tokens/s | tree |", "| ---: | ---: | ---: | ---: | ---: | --- |"]
+    for n in sorted(fastest):
+        p = fastest[n]
+        mark = " **best**" if p is best else ""
+        lines.append(f"| {n} | {p.candidate.expected_accepted:.3f} | {p.verify_seconds * 1e3:.1f} | "
+                     f"{p.draft_seconds * 1e3:.1f} | {p.tokens_per_second:.1f}{mark} | {describe(p.candidate.tree)} |")
+    return "\n".join(lines)
+
+
+def describe(tree: dict) -> str:
+    """Depth and branching of a tree's settings, in a few words."""
+    if tree.get("mode", "static") == "dynamic":
+        return f"dynamic, depth {tree['depth']}, top-{tree['top_k']}, {tree['total_tokens']} kept"
+    paths = tree["paths"]
+    depth = max(len(p) for p in paths)
+    width = [sum(len(p) == d for p in paths) for d in range(1, depth + 1)]
+    return f"static, depth {depth}, nodes per depth {width}"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,369 @@
+"""Tree calibration (infer/calibrate.py, heads.trees): the choice from acceptance statistics, the acceptance
+observed through the engine, greedy equality with calibrated and early-stopping trees, and bad prompt files."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import heads
+from heads.trees import (
+    Candidate,
+    Prediction,
+    best_prediction,
+    candidate_trees,
+    dynamic_nodes,
+    prior_paths,
+    ranked_paths,
+)
+from infer import calibrate
+from infer.drafting import TargetStep
+from infer.engine import SelfSpecModel
+from infer.sampling import SamplingParams
+from infer.tree import tree_from_paths
+
+ROOT = Path(__file__).resolve().parent.parent
+_TARGET: dict = {}
+
+
+def target():
+    if "llama" not in _TARGET:
+        _TARGET["llama"] = tiny_model("llama")
+    return _TARGET["llama"]
+
+
+def peaked(drafter):
+    """A drafter whose draft distributions are confident on some contexts and not on others (a fresh one's
+    are nearly flat)."""
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3, generator=g)
+    return drafter
+
+
+def prompts(count: int = 3, length: int = 8, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 96, (1, length), generator=g) for _ in range(count)]
+
+
+def predictions(candidates, draft, verify) -> list[Prediction]:
+    return [Prediction(c, draft(c), verify(c.nodes)) for c in candidates]
+
+
+# ---- the choice, on synthetic statistics --------------------------------------------------------------------
+
+
+def test_static_choice_keeps_the_likeliest_paths():
+    paths = prior_paths(4, 40)
+    # P(path accepted): 0.7 for the top-1 candidate, 0.2 / rank below it, multiplied along the path
+    p = [math.prod(0.7 if r == 0 else 0.2 / r for r in path) for path in paths]
+    measured = {"mode": "static", "tree": {"paths": [list(q) for q in paths]}, "p_accept": p}
+    candidates = candidate_trees(measured, max_nodes=32)
+    assert [c.nodes for c in candidates] == list(range(1, 33))
+    likeliest = sorted(p, reverse=True)
+    for c in candidates:
+        tree_from_paths([tuple(q) for q in c.tree["paths"]])  # ancestor-closed, or this raises
+        assert c.expected_accepted == pytest.approx(sum(likeliest[: c.nodes]))
+    # Verifying up to 8 nodes costs one unit, more costs three: 8 nodes win, holding the 8 likeliest paths.
+    best = best_prediction(predictions(candidates, lambda c: 0.0, lambda n: 1.0 if n <= 8 else 3.0))
+    assert best.candidate.nodes == 8
+    assert sorted(map(tuple, best.candidate.tree["paths"])) == sorted(ranked_paths(paths, p)[:8])
+    assert best.tokens_per_second == pytest.approx(1 + sum(likeliest[:8]))
+
+
+def test_static_choice_refuses_damaged_statistics():
+    with pytest.raises(ValueError, match=r"\[0, 0\] is accepted more often"):
+        ranked_paths([[0], [0, 0]], [0.3, 0.5])
+    with pytest.raises(ValueError, match="without its parent"):
+        ranked_paths([[0], [1, 0]], [0.3, 0.1])
+
+
+def test_dynamic_choice_picks_depth_and_node_budget():
+    # top-2 branching, measured 3 deep; P by score rank among the nodes no deeper than the depth limit
+    p_rank = [[0.6, 0.1, 0, 0, 0, 0, 0, 0],
+              [0.6, 0.5, 0.1, 0.05, 0, 0, 0, 0],
+              [0.6, 0.5, 0.4, 0.1, 0.05, 0, 0, 0]]
+    measured = {"mode": "dynamic", "tree": {"mode": "dynamic", "top_k": 2, "depth": 3, "total_tokens": 8},
+                "p_rank": p_rank}
+    candidates = candidate_trees(measured, max_nodes=8)
+    assert {(c.tree["depth"], c.nodes) for c in candidates} == {
+        (d, n) for d in (1, 2, 3) for n in range(1, min(8, dynamic_nodes(2, d)) + 1)}
+    for c in candidates:
+        assert c.expected_accepted == pytest.approx(sum(p_rank[c.tree["depth"] - 1][: c.nodes]))
+    # Drafting costs 0.1 per depth, verifying 1 + 0.1 per node: 3 deep keeping 3 nodes, (1 + 1.5) / 1.6; one
+    # node more gains 0.1 token for 0.1 s (2.6 / 1.7), one less loses 0.4 (2.1 / 1.5).
+    best = best_prediction(predictions(candidates, lambda c: 0.1 * c.tree["depth"], lambda n: 1 + 0.1 * n))
+    assert (best.candidate.tree["depth"], best.candidate.tree["total_tokens"]) == (3, 3)
+    assert best.tokens_per_second == pytest.approx(2.5 / 1.6)
+
+
+def test_ties_go_to_the_smaller_tree():
+    small, large = Candidate({"paths": [[0]]}, 1, 0.5), Candidate({"paths": [[0], [1]]}, 2, 0.5)
+    assert best_prediction([Prediction(large, 0, 1), Prediction(small, 0, 1)]).candidate is small
+
+
+# ---- acceptance observed through the engine -----------------------------------------------------------------
+
+
+RECORDED = [("eagle", "dynamic"), ("eagle3", "static"), ("medusa", "static")]
+
+
+@pytest.mark.parametrize(("kind", "mode"), RECORDED)
+def test_recorded_acceptance_agrees_with_accepted_lengths(kind, mode):
+    t = target()
+    drafter = peaked(heads.build(kind, t))
+    tree = calibrate.wide_tree(drafter.config, mode, wide=64, depth=3 if kind != "medusa" else None)
+    recorder = calibrate.AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"))
+    model = SelfSpecModel(t, drafter, tree=tree, step_observer=recorder)
+    ids = torch.cat(prompts(2, seed=3))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded row
+    total = 0
+    for batch in (ids[:1], ids):
+        model.generate(batch, attention_mask=mask[: len(batch)], max_new_tokens=24, eos_token_id=[])
+        total += len(model.last_stats["accepted_lengths"])
+    assert recorder.accepted[-len(model.last_stats["accepted_lengths"]):] == [
+        a - 1 for a in model.last_stats["accepted_lengths"]]
+    assert len(recorder.accepted) == total
+    stats = recorder.statistics()
+    assert 0 < stats["steps"] < total  # the last steps of each row were cut by the budget: not counted
+    assert sum(recorder.accepted) > 0
+    if mode == "static":
+        ranked_paths(tree["paths"], stats["p_accept"])  # a child is never accepted more often than its parent
+        assert sum(stats["p_accept"]) == pytest.approx(stats["mean_accepted"], abs=1e-4)
+    else:  # with no depth limit, the 64 best-scored nodes are all there are
+        assert len(stats["p_rank"]) == tree["depth"]
+        assert sum(stats["p_rank"][-1]) == pytest.approx(stats["mean_accepted"], abs=1e-4)
+        assert all(sum(a) <= sum(b) + 1e-6 for a, b in itertools.pairwise(stats["p_rank"]))
+
+
+class FirstStep:
+    """A step observer keeping the first verify step of a generation."""
+
+    def __init__(self):
+        self.seen = None
+
+    def __call__(self, tree, acc, budget):
+        if self.seen is None:
+            self.seen = (tree, acc, budget)
+
+
+def first_step(t, drafter, tree, ids):
+    observer = FirstStep()
+    SelfSpecModel(t, drafter, tree=tree, step_observer=observer).generate(ids, max_new_tokens=12, eos_token_id=[])
+    return observer.seen
+
+
+@pytest.mark.parametrize(("kind", "mode"), RECORDED)
+def test_statistics_of_the_wide_tree_predict_a_smaller_tree_exactly(kind, mode):
+    """On the same context, what a smaller tree accepts is what the wide tree's statistics say it would: a
+    static tree's nodes are accepted or not whatever else is drafted, and a dynamic tree drafted d deep
+    keeping N nodes holds the N best-scored nodes no deeper than d of the wide one. A 16-token vocabulary
+    makes a random drafter's candidates land often enough to compare."""
+    if "vocab16" not in _TARGET:
+        _TARGET["vocab16"] = tiny_model("llama", vocab_size=16)
+    t = _TARGET["vocab16"]
+    drafter = heads.build(kind, t)
+    wide = calibrate.wide_tree(drafter.config, mode, wide=64, depth=4 if kind != "medusa" else None)
+    depth = max(len(p) for p in wide["paths"]) if mode == "static" else wide["depth"]
+    if mode == "dynamic":
+        smaller = [{**wide, "depth": d, "total_tokens": n} for d, n in ((1, 3), (2, 1), (2, 8), (4, 3), (4, 20))]
+    else:
+        smaller = [{**wide, "paths": [list(p) for p in prior_paths(depth, n, top1=0.8, decay=0.9, spread=0.3)]}
+                   for n in (1, 3, 8, 20)]
+    g = torch.Generator().manual_seed(11)
+    predicted_total = 0
+    for _ in range(10):
+        ids = torch.randint(3, 16, (1, 8), generator=g)
+        recorder = calibrate.AcceptanceRecorder(mode, paths=wide.get("paths"), depth=wide.get("depth"))
+        recorder(*first_step(t, drafter, wide, ids))
+        assert recorder.steps == 1
+        for tree in smaller:
+            _, acc, _ = first_step(t, drafter, tree, ids)
+            if mode == "dynamic":
+                predicted = recorder.hits[tree["depth"] - 1, : tree["total_tokens"]].sum()
+            else:
+                kept = {tuple(p) for p in tree["paths"]}
+                predicted = sum(h for p, h in zip(recorder.paths, recorder.hits.tolist(), strict=True) if p in kept)
+            assert int(acc.length) - 1 == predicted
+            predicted_total += predicted
+    assert predicted_total > 0
+
+
+# ---- calibrated trees, end to end ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "mode"), RECORDED)
+def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    t = target()
+    drafter = peaked(heads.build(kind, t))
+    calibration, predicted = calibrate.calibrate(t, drafter, prompts(), mode=mode, wide=32, max_nodes=16,
+                                                 max_new_tokens=16, context=16, repeats=1)
+    assert len(predicted) >= 16 and all(p.tokens_per_second > 0 for p in predicted)
+    drafter.config.calibration = json.loads(json.dumps(calibration))  # as config.json stores it
+    ids = torch.cat(prompts(2, seed=5))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    expected = t.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                          pad_token_id=0)
+    model = SelfSpecModel(t, drafter, tree="calibrated")  # measures this machine's costs, then caches the choice
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
+    assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} == {"verify", "tree"}
+    chosen = calibrate.calibrated_tree(drafter, t)
+
+    def measured_again(*args, **kwargs):
+        raise AssertionError("the cached choice was not used")
+
+    monkeypatch.setattr(calibrate, "verify_costs", measured_again)
+    monkeypatch.setattr(calibrate, "draft_costs", measured_again)
+    assert calibrate.calibrated_tree(drafter, t) == chosen
+    assert chosen in [p.candidate.tree for p in predicted]
+    again = SelfSpecModel(t, drafter, tree="calibrated")
+    assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
+
+
+def test_calibrated_tree_needs_statistics_and_a_trained_drafter():
+    t = target()
+    with pytest.raises(ValueError, match="scripts/calibrate.py"):
+        SelfSpecModel(t, heads.build("eagle", t), tree="calibrated")
+    with pytest.raises(ValueError, match="trained drafter"):
+        SelfSpecModel(t, "ngram", tree="calibrated")
+    with pytest.raises(ValueError, match="'calibrated' or None"):
+        SelfSpecModel(t, heads.build("eagle", t), tree="fastest")
+    with pytest.raises(ValueError, match="DFlash|settings"):
+        calibrate.wide_tree(heads.build("dflash", t.config).config)
+
+
+# ---- early stop of the dynamic tree -------------------------------------------------------------------------
+
+
+def test_min_confidence_stops_unsure_rows_early():
+    t = target()
+    drafter = peaked(heads.build("eagle", t))
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(0))
+    threshold = 0.6
+    drafts = drafter.as_drafter(total_tokens=500, min_confidence=threshold)
+    drafts.bind(t, SamplingParams(), batch_size=4)
+    out = t(ids, output_hidden_states=True)
+    drafts.observe(TargetStep(ids, torch.ones_like(ids, dtype=torch.bool),
+                              tuple(out.hidden_states[i] for i in drafts.feature_layers), out.logits[:, -1].argmax(-1)))
+    tree = drafts.propose(torch.full((4,), 10))
+    depth, _ = tree.depth_and_ancestors()
+    deepest = []
+    for row in range(4):
+        valid = tree.valid[row]
+        deepest.append(int(depth[row][valid].max()))
+        best = [float(tree.scores[row][valid & (depth[row] == d)].max().exp()) for d in range(1, deepest[-1] + 1)]
+        assert all(b >= threshold for b in best[:-1])  # a row expands while its best node is likely enough
+        assert deepest[-1] == drafts.tree["depth"] or best[-1] < threshold
+    assert min(deepest) < drafts.tree["depth"] == max(deepest)  # this drafter is sure of some rows only
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.6, 0.95])
+def test_min_confidence_keeps_greedy_output(threshold):
+    t = target()
+    ids = torch.cat(prompts(2, seed=7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    expected = t.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                          pad_token_id=0)
+    for kind in ("eagle", "eagle3"):
+        drafter = peaked(heads.build(kind, t.config, tree={"min_confidence": threshold}))
+        got = SelfSpecModel(t, drafter).generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
+        assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(("tree", "message"), [
+    ({"min_confidence": 1.5}, r"min_confidence must be a number in \[0, 1\)"),
+    ({"min_confidence": -0.1}, "min_confidence must be"),
+    ({"min_confidence": "high"}, "min_confidence must be"),
+    ({"mode": "static", "min_confidence": 0.5}, "mode='dynamic' or min_confidence=0"),
+])
+def test_min_confidence_is_validated(tree, message):
+    with pytest.raises(ValueError, match=message):
+        heads.build("eagle", target().config, tree=tree)
+
+
+# ---- bad prompt files ---------------------------------------------------------------------------------------
+
+
+def test_prompt_files(tmp_path):
+    good = tmp_path / "good.jsonl"
+    good.write_text('"plain text"\n\n{"question_id": 1, "category": "x", "turns": ["first", "second"]}\n'
+                    '{"prompt": "p"}\n{"instruction": "do", "input": "this"}\n')
+    assert calibrate.load_prompts(good) == ["plain text", "first", "p", "do\n\nthis"]
+    array = tmp_path / "array.json"
+    array.write_text(json.dumps(["a", {"prompt": "b"}]))
+    assert calibrate.load_prompts(array) == ["a", "b"]
+
+
+@pytest.mark.parametrize(("name", "text", "message"), [
+    ("empty.jsonl", "", r"empty\.jsonl holds no prompts \(the file is empty\); write one prompt per line"),
+    ("blank.jsonl", "\n  \n", "holds no prompts"),
+    ("broken.jsonl", '"fine"\n{"prompt": "cut\n', r"broken\.jsonl:2: not valid JSON .*fix or remove line 2"),
+    ("fields.jsonl", '{"prompt": "a"}\n{"text": "b"}\n', r"fields\.jsonl:2: an object without any of"),
+    ("number.jsonl", "7\n", r"number\.jsonl:1: a JSON int, not a prompt"),
+    ("turns.jsonl", '{"turns": []}\n', r"turns\.jsonl:1: 'turns' must hold text"),
+    ("blank_prompt.jsonl", '"  "\n', r"blank_prompt\.jsonl:1: the prompt is empty"),
+    ("broken.json", '[\n"a",\n"b"\n', r"broken\.json:4: not valid JSON"),
+    ("element.json", '["a", 3]', r"element\.json: element 1 of the array: a JSON int"),
+])
+def test_bad_prompt_files_name_the_file_and_line(tmp_path, name, text, message):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        calibrate.load_prompts(path)
+
+
+def calibrate_script():
+    spec = importlib.util.spec_from_file_location("calibrate_script", ROOT / "scripts" / "calibrate.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    return script
+
+
+def test_missing_prompt_file_fails_before_loading_models(tmp_path):
+    missing = tmp_path / "held_out.jsonl"
+    with pytest.raises(FileNotFoundError, match=rf"no prompt file at {missing}; pass --prompts"):
+        calibrate_script().main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
+
+
+def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch, capsys):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    words = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 96)}},
+                                       unk_token="<pad>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>")
+    t = target()
+    t.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    heads.build("eagle", t).save_pretrained(tmp_path / "drafter")
+    prompts_file = tmp_path / "held_out.jsonl"
+    prompts_file.write_text("".join(json.dumps(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(6))) + "\n"
+                                    for i in range(3)))
+    calibrate_script().main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+                             str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
+                             "--context", "16", "--repeats", "1", "--threads", "1", "--write"])
+    printed = capsys.readouterr().out
+    assert "| N | E_acc | verify ms | draft ms | predicted tokens/s | tree |" in printed and "**best**" in printed
+    saved = heads.load(tmp_path / "drafter")
+    assert saved.config.calibration["measured"][0]["mode"] == "dynamic"
+    chosen = saved.config.tree
+    assert chosen["total_tokens"] <= 8 and f"dynamic, depth {chosen['depth']}" in printed
+    ids = torch.tensor([[5, 6, 7, 8]])
+    expected = t.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
+    model = SelfSpecModel(t, saved, tree="calibrated")
+    assert torch.equal(model.generate(ids, max_new_tokens=10, eos_token_id=[]), expected)
