@@ -328,13 +328,16 @@ def _eos_ids(target, tokenizer) -> set[int]:
 def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *, max_new_tokens: int = 128,
               repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True,
               on_record: Callable[[dict], None] | None = None, timed_from_turn: int = 1,
-              passes: int = 1) -> dict:
+              passes: int = 1, done: list[dict] | None = None) -> dict:
     """Time every method on every question (interleaved), check greedy equality, aggregate per category.
 
     `methods[0]` is the reference every other method's output is compared with (the baseline). Later turns
     are rendered with the reference's reply to the earlier ones, as MT-bench does with a model's own answers.
     Turns before `timed_from_turn` are only answered by the reference, untimed, for that history (questions
     with fewer turns are left out). With `passes` > 1 the whole question list is run again after itself.
+
+    `done`: records an interrupted run already measured (its records.jsonl); those questions are not timed
+    again, and a later turn of one gets its history from an untimed reference run, as skipped turns do.
     """
     from tqdm.auto import tqdm
 
@@ -345,13 +348,25 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     if not 1 <= timed_from_turn <= turns:
         raise ValueError(f"timed_from_turn must be in 1..turns ({turns}), got {timed_from_turn}")
     stateful = [m.name for m in methods if m.reset is not None]
+    done = list(done or [])
+    if done and stateful:
+        raise ValueError(f"cannot resume with {', '.join(stateful)}: they learn from every earlier answer, so "
+                         "skipping the measured questions changes what they are measured on; start the run again")
+    for rec in done:
+        if set(rec["results"]) != {m.name for m in methods}:
+            raise ValueError(f"cannot resume: the earlier run measured {', '.join(rec['results'])}, this one "
+                             f"{', '.join(m.name for m in methods)}; pass the same methods or start again")
+    measured = {(rec.get("pass", 1), rec["question_id"], rec["turn"]) for rec in done}
     if repeats > 1 and stateful:
         warnings.warn(f"{', '.join(stateful)} keep earlier responses: repeats 2..{repeats} of a question see "
                       "its first answer, so their times are a repeated-request workload's", stacklevel=2)
     eos = _eos_ids(target, tokenizer)
     engines = {m.name: m.engine for m in methods}
     counter = ForwardCounter(target)
-    records, mismatches, history = [], [], {}
+    records, history = list(done), {}
+    mismatches = [{"question_id": rec["question_id"], "turn": rec["turn"], "method": name,
+                   "engine": engines[name], "first_differing_token": None}
+                  for rec in done for name, r in rec["results"].items() if not r["matches_baseline"]]
     try:
         with torch.inference_mode():
             if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
@@ -368,10 +383,13 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
             work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn
                     for t in range(min(turns, len(q["turns"])))]
             for p, q, turn in tqdm(work, desc="bench", disable=not progress):
-                key = (p, q["question_id"])
+                key, was_measured = (p, q["question_id"]), (p + 1, q["question_id"], turn + 1) in measured
+                if was_measured and turn + 1 == min(turns, len(q["turns"])):  # no later turn needs its reply
+                    continue
                 messages = history.get(key, []) + [{"role": "user", "content": q["turns"][turn]}]
                 ids = render(tokenizer, messages).to(target.device)
-                if turn + 1 < timed_from_turn:  # history only: the reference's reply, untimed
+                if turn + 1 < timed_from_turn or was_measured:
+                    # history only: the reference's reply, untimed
                     out, _ = methods[0].run(ids, max_new_tokens)
                     reply = tokenizer.decode(_new_tokens(out, ids.shape[1], eos), skip_special_tokens=True)
                     history[key] = messages + [{"role": "assistant", "content": reply}]
@@ -725,6 +743,9 @@ def main(argv=None) -> int:
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 if any selfspec or transformers greedy output differs")
     parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the questions an interrupted run with the same methods wrote to --out's "
+                             "records.jsonl and measure only the rest")
     args = parser.parse_args(argv)
 
     from infer.embedded import resolve_target
@@ -761,7 +782,12 @@ def _run(args, argv, target, tokenizer, questions, methods) -> int:
     load_before = environment(target, torch.get_num_threads())["load_average"]
     Path(args.out).mkdir(parents=True, exist_ok=True)
     partial = Path(args.out) / "records.jsonl"  # one line per question as it finishes
-    partial.write_text("")
+    done = []
+    if args.resume and partial.exists():
+        done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        print(f"resuming: {len(done)} records measured earlier in {partial}")
+    else:
+        partial.write_text("")
 
     def keep(record: dict) -> None:
         with open(partial, "a") as f:
@@ -770,9 +796,12 @@ def _run(args, argv, target, tokenizer, questions, methods) -> int:
     turns, timed_from = (max(args.turns, 2), 2) if args.second_turns else (args.turns, 1)
     result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, turns=turns, on_record=keep, timed_from_turn=timed_from,
-                       passes=args.passes)
+                       passes=args.passes, done=done)
     result["environment"] = environment(target, torch.get_num_threads())
     result["environment"]["load_average_before"] = load_before
+    if done:  # the earlier part ran on another day or under another load: say so beside the numbers
+        result["environment"]["resumed"] = {"records_measured_before": len(done),
+                                            "resumed_at": result["environment"]["date"]}
     result["environment"].update(memory_floor(target))
     result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
     result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else

@@ -122,6 +122,45 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "engine_method", real)
 
 
+def test_resume_measures_only_what_an_interrupted_run_left(questions_file, tmp_path, monkeypatch):
+    folder = tmp_path / "tiny"
+    tiny_target().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    out = tmp_path / "resumed"
+    argv = ["--target", str(folder), "--questions", str(questions_file), "--drafter", "ngram", "--turns", "2",
+            "--max-new-tokens", "8", "--out", str(out), "--threads", "1", "--no-plots"]
+    assert bench.main(argv) == 0
+    full = json.loads((out / "results.json").read_text())
+    records = (out / "records.jsonl").read_text().splitlines()
+    assert len(records) == 3  # question 1's two turns, question 2's one
+
+    # interrupted after question 1's first turn: the resumed run times only the other two, and rebuilds
+    # turn 2's history (the baseline's untimed reply), so its prompt is the full run's
+    (out / "records.jsonl").write_text(records[0] + "\n")
+    timed = []
+    real = bench._time_methods
+    monkeypatch.setattr(bench, "_time_methods", lambda methods, ids, *rest: timed.append(ids.shape[1])
+                        or real(methods, ids, *rest))
+    assert bench.main([*argv, "--resume"]) == 0
+    resumed = json.loads((out / "results.json").read_text())
+    assert len(timed) == 2
+    keys = [(r["question_id"], r["turn"], r["prompt_tokens"]) for r in resumed["questions"]]
+    assert sorted(keys) == sorted((r["question_id"], r["turn"], r["prompt_tokens"]) for r in full["questions"])
+    assert resumed["questions"][0]["results"] == json.loads(records[0])["results"]  # kept, not re-timed
+    assert resumed["environment"]["resumed"]["records_measured_before"] == 1
+    assert resumed["per_category"]["overall"]["ngram"]["questions"] == 3
+    assert len((out / "records.jsonl").read_text().splitlines()) == 3
+
+    # other methods than the records': refused, and a stateful method cannot resume at all
+    with pytest.raises(ValueError, match="same methods"):
+        bench.main([*argv[:4], "--no-pld", *argv[4:], "--resume"])
+    with pytest.raises(ValueError, match="start the run again"):
+        bench.run_bench(tiny_target(), tiny_tokenizer(), bench.load_questions(questions_file),
+                        [bench.hf_method(tiny_target(), bench.BASELINE),
+                         bench.engine_method(tiny_target(), "suffix", "suffix")],
+                        done=[json.loads(records[0])], progress=False)
+
+
 def test_load_questions_validates_and_filters(tmp_path, questions_file):
     assert [q["question_id"] for q in bench.load_questions(questions_file, categories=["beta"])] == [2]
     assert len(bench.load_questions(questions_file, limit=1)) == 1
