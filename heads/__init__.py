@@ -79,6 +79,25 @@ def build(kind: str, target: PretrainedConfig | PreTrainedModel, *, tokenizer=No
     return model.eval()
 
 
+# Drafters shipped inside the package (heads/shipped/<name>/, written by save_pretrained), loaded by name and
+# offline, as the embedded target is: heads.load("<name>"), SelfSpecModel.from_pretrained("<name>").
+SHIPPED_DIR = Path(__file__).resolve().parent / "shipped"
+
+
+def shipped_drafters() -> list[str]:
+    """The names of the drafters shipped with selfspec."""
+    return sorted(p.parent.name for p in SHIPPED_DIR.glob("*/config.json"))
+
+
+def resolve_drafter(path_or_hub_id):
+    """A shipped drafter's name becomes its folder (a local path of that name wins); anything else is
+    returned as it is."""
+    name = os.fspath(path_or_hub_id)
+    if "/" not in name and not os.path.exists(name) and (SHIPPED_DIR / name / "config.json").is_file():
+        return SHIPPED_DIR / name
+    return path_or_hub_id
+
+
 def check_source(path_or_hub_id, subfolder: str = "") -> None:
     """Raise a clear error for a path that is neither a saved drafter folder nor a possible hub id."""
     path = Path(path_or_hub_id, subfolder)
@@ -94,8 +113,9 @@ def check_source(path_or_hub_id, subfolder: str = "") -> None:
     try:
         validate_repo_id(str(path_or_hub_id))
     except HFValidationError:
-        raise FileNotFoundError(f"no drafter at {path_or_hub_id}: not a folder and not a hub id (owner/name); "
-                                "check the path") from None
+        shipped = ", ".join(shipped_drafters()) or "none"
+        raise FileNotFoundError(f"no drafter at {path_or_hub_id}: not a folder, not a hub id (owner/name) and not "
+                                f"a shipped drafter ({shipped}); check the path") from None
 
 
 # PretrainedConfig bookkeeping fields not worth listing in error messages.
@@ -103,14 +123,23 @@ _BASE_ONLY = set(PretrainedConfig.__dataclass_fields__)
 
 
 def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
-    """Load a saved drafter of any kind from a folder or hub id (safetensors only)."""
+    """Load a saved drafter of any kind from a folder, a hub id or a shipped drafter's name (safetensors only).
+
+    Shipped drafters are stored in half precision and load in fp32, the embedded target's dtype, unless
+    `dtype=` says otherwise."""
+    resolved = resolve_drafter(path_or_hub_id)
+    if resolved is not path_or_hub_id:
+        hf_kwargs.setdefault("dtype", torch.float32)
+    path_or_hub_id = resolved
     check_source(path_or_hub_id, hf_kwargs.get("subfolder", ""))
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(path_or_hub_id, **hf_kwargs)
     except OSError as err:
         if os.path.exists(path_or_hub_id):
             raise
-        raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, and as a hub id: {err}") from err
+        shipped = ", ".join(shipped_drafters()) or "none"
+        raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, not a shipped drafter ({shipped}), and "
+                      f"as a hub id: {err}") from err
     model_type = config_dict.get("model_type")
     for kind in REGISTRY.values():
         if kind.config_cls.model_type == model_type:

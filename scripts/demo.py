@@ -153,6 +153,10 @@ def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: 
                bench.hf_method(target, bench.PLD, prompt_lookup_num_tokens=10),
                bench.engine_method(target, drafter, drafter.kind),
                bench.engine_method(target, drafter, drafter.kind + bench.LOOKUP_SUFFIX, lookup_first=True)]
+    for name in heads.shipped_drafters():  # the drafters shipped for this target, beside the one trained here
+        shipped = heads.load(name)
+        if shipped.config.base_model_name_or_path == drafter.config.base_model_name_or_path:
+            methods.append(bench.engine_method(target, shipped, f"shipped:{name}"))
     result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=max_new_tokens)
     result["environment"] = bench.environment(target, torch.get_num_threads())
     bench.write_outputs(result, out)

@@ -4,6 +4,7 @@ end-to-end greedy equivalence through the engine, over tiny targets of every arc
 from __future__ import annotations
 
 import ast
+import copy
 import dataclasses
 import json
 import os
@@ -281,6 +282,31 @@ def test_load_from_hub_cache_offline(kind, tmp_path, monkeypatch):
     loaded = heads.load("someone/tiny-drafter", cache_dir=tmp_path / "hub").attach(target)
     ids = torch.randint(3, 96, (1, 4))
     assert_same(run(loaded, target, ids), run(drafter, target, ids))
+
+
+def test_shipped_drafter_loads_by_name_and_a_local_folder_of_that_name_wins(tmp_path, monkeypatch):
+    target = target_for("llama")
+    drafter = perturb(heads.build("eagle", target))
+    with torch.no_grad():  # the values half precision holds, in fp32
+        for p in drafter.parameters():
+            p.copy_(p.half().float())
+    copy.deepcopy(drafter).half().save_pretrained(tmp_path / "shipped" / "tiny-eagle")  # shipped in half precision
+    monkeypatch.setattr(heads, "SHIPPED_DIR", tmp_path / "shipped")
+    monkeypatch.chdir(tmp_path)
+    assert heads.shipped_drafters() == ["tiny-eagle"]
+    ids = torch.randint(3, 96, (1, 4))
+    loaded = heads.load("tiny-eagle")
+    assert loaded.dtype == torch.float32
+    assert_same(run(loaded.attach(target), target, ids), run(drafter, target, ids))
+    other = heads.build("eagle", target)
+    other.save_pretrained(tmp_path / "tiny-eagle")  # ./tiny-eagle is what the user means
+    assert_same(run(heads.load("tiny-eagle").attach(target), target, ids), run(other, target, ids))
+    import huggingface_hub.constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(OSError, match=r"not a shipped drafter \(tiny-eagle\)"):
+        heads.load("tiny-eagel")
 
 
 @pytest.fixture
