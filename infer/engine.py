@@ -273,7 +273,7 @@ class SelfSpecModel:
 
             target, tokenizer = resolve_target(name, **hf_kwargs)
             if adapter:
-                target = _merge_adapter(target, drafter_path_or_hub_id, adapter)
+                target = _merge_adapter(target, heads.resolve_drafter(drafter_path_or_hub_id), adapter)
             return cls(target, drafter, tokenizer=tokenizer, tree=tree)
         if adapter:
             warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "

@@ -250,7 +250,7 @@ CASES = {
     "load a missing folder": (lambda c: heads.load(c.tmp / "nope" / "drafter"), FileNotFoundError,
                               "no drafter at"),
     "load a missing relative path": (lambda c: heads.load("no/such/run/drafter"), FileNotFoundError,
-                                     "not a folder and not a hub id"),
+                                     "not a folder, not a hub id"),
     "load a folder without config.json": (lambda c: heads.load(c.tmp), ValueError,
                                           "is a folder without config.json, so not a saved drafter"),
     "load a run folder": (lambda c: heads.load(_run_folder_without_drafter_config(c)), ValueError,
