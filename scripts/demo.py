@@ -70,10 +70,14 @@ def banner(text: str) -> None:
     print(f"\n=== {text} ===", flush=True)
 
 
+def shipped_prompts() -> list[dict]:
+    return [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+
+
 def split_prompts(num_train: int, num_bench: int) -> tuple[list[dict], list[dict]]:
     """Training prompts from the front of the file; benchmark questions from the held-out tail, balanced
     across categories (round-robin) so a small benchmark still covers every kind of prompt."""
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
+    rows = shipped_prompts()
     if len(rows) <= HELD_OUT:
         raise ValueError(f"{PROMPTS} holds {len(rows)} prompts; the demo needs more than {HELD_OUT}")
     train_rows, held = rows[:-HELD_OUT][:num_train], rows[-HELD_OUT:]
@@ -90,8 +94,7 @@ def split_prompts(num_train: int, num_bench: int) -> tuple[list[dict], list[dict
 
 def calibration_prompts(num_train: int) -> list[dict]:
     """Up to CALIBRATION prompts neither trained on nor benchmarked: the ones after the training prompts."""
-    rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
-    return rows[:-HELD_OUT][num_train:num_train + CALIBRATION]
+    return shipped_prompts()[:-HELD_OUT][num_train:num_train + CALIBRATION]
 
 
 def choose_tree(target, tokenizer, drafter_dir: Path, tree: str, unused: list[dict]) -> None:
@@ -111,17 +114,16 @@ def choose_tree(target, tokenizer, drafter_dir: Path, tree: str, unused: list[di
               f"hand-picked tree {HAND_TREE} instead of a calibrated one (lower --num-prompts to calibrate)",
               flush=True)
         return set_tree(drafter_dir, HAND_TREE)
-    calibrate_tree(target, tokenizer, drafter_dir, unused)
+    calibrate_tree(target, tokenizer, drafter_dir, drafter, unused)
 
 
-def calibrate_tree(target, tokenizer, drafter_dir: Path, prompts: list[dict], max_new_tokens: int = 64) -> dict:
-    """Measure the drafter's acceptance on `prompts` and this machine's costs, and save the tree that
-    maximizes the predicted tokens/s into the drafter (what `scripts/calibrate.py --write` does)."""
-    import heads
+def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[dict],
+                   max_new_tokens: int = 64) -> dict:
+    """Measure `drafter`'s acceptance on `prompts` and this machine's costs, and save the tree that
+    maximizes the predicted tokens/s into its folder (what `scripts/calibrate.py --write` does)."""
     from heads.trees import best_prediction
     from infer.calibrate import calibrate, encode_prompts, write_calibration
 
-    drafter = heads.load(drafter_dir)
     ids = encode_prompts(tokenizer, [q["turns"][0] for q in prompts])
     calibration, predictions = calibrate(target, drafter, ids, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
     best = best_prediction(predictions)
