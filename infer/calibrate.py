@@ -341,7 +341,8 @@ def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None 
     trees = list({json.dumps(t, sort_keys=True): t for t in trees}.values())  # a static tree ignores top_k
     measured = [measure_acceptance(target, drafter, prompts, tree, max_new_tokens=max_new_tokens,
                                    max_nodes=max_nodes, tokenizer=tokenizer, prepack=prepack) for tree in trees]
-    calibration = {"measured": measured, "prompts": len(prompts), "max_new_tokens": max_new_tokens}
+    calibration = {"measured": measured, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+                   "max_nodes": max_nodes}
     return calibration, predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
                                 repeats=repeats, prepack=prepack)
 
@@ -361,10 +362,11 @@ def write_calibration(folder, drafter, calibration: dict, tree: dict) -> None:
     write_model_card(folder, config, kind=drafter.kind, title=registered.title if registered else None)
 
 
-def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = None, max_nodes: int = MAX_NODES,
+def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = None, max_nodes: int | None = None,
                     context: int = 256, repeats: int = 3) -> dict:
     """The tree settings that maximize predicted tokens/s for `drafter` (a heads model) on this machine, from
     the acceptance statistics stored with it (`scripts/calibrate.py --write`) and this machine's costs.
+    `max_nodes`, the largest tree considered, defaults to the one the statistics were calibrated with.
 
     The first call for a target, device, torch thread count and drafter measures the costs, `repeats` times
     each after a warm-up: a verify forward over each of 1..`max_nodes` + 1 tokens after a `context`-token
@@ -378,6 +380,7 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
         raise ValueError("tree='calibrated' chooses the tree from the drafter's acceptance statistics on held-out "
                          "prompts, and this drafter has none: run scripts/calibrate.py --drafter <its folder> "
                          "--prompts <held-out prompts> --write once, or leave tree= unset for its saved tree")
+    max_nodes = max_nodes or calibration.get("max_nodes", MAX_NODES)
     drafter.attach(target, tokenizer)
     prepack = _prepack(target, prepack)
     fields = {"target": _fingerprint(target), "drafter": _config_hash(drafter.config),
