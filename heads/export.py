@@ -81,12 +81,14 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
         raise ValueError(f"the {c.target_model_type} decoder layer has parameters a Llama-style speculators layer "
                          f"lacks: {extra}; this drafter cannot be exported to speculators")
     biases = [k for k in ATTENTION_BIASES if k in layer_sd]
-    tensors = {f"layers.0.{k}": v for k, v in layer_sd.items()}
-    if biases:  # Llama's attention_bias covers q, k, v and o alike: write an exact zero bias where absent
-        for k in ATTENTION_BIASES:
-            if k not in layer_sd:
-                out_features = layer_sd[k.replace(".bias", ".weight")].shape[0]
-                tensors[f"layers.0.{k}"] = torch.zeros(out_features, dtype=layer_sd[biases[0]].dtype)
+    tensors = {}
+    for i, layer in enumerate(model.layers):  # layers after the first are plain Llama layers in vLLM too
+        tensors.update({f"layers.{i}.{k}": v for k, v in layer.state_dict().items()})
+        if biases:  # Llama's attention_bias covers q, k, v and o alike: write an exact zero bias where absent
+            for k in ATTENTION_BIASES:
+                if f"layers.{i}.{k}" not in tensors:
+                    out_features = tensors[f"layers.{i}.{k.replace('.bias', '.weight')}"].shape[0]
+                    tensors[f"layers.{i}.{k}"] = torch.zeros(out_features, dtype=layer_sd[biases[0]].dtype)
     tensors.update({
         "layers.0.hidden_norm.weight": model.hidden_norm.weight,
         "fc.weight": model.fc.weight, "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight,
@@ -101,7 +103,7 @@ def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
     layer = model.layers[0]
     lc = c.layer_config
     rope = dict(layer.self_attn.config.rope_parameters or {})
-    layer_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1,
+    layer_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": c.num_layers,
                     "vocab_size": c.target_vocab_size, "tie_word_embeddings": False,
                     "attention_bias": attention_bias, "rope_theta": rope.get("rope_theta", 10000.0)}
     layer_config.update({k: lc[k] for k in LLAMA_LAYER_FIELDS if lc.get(k) is not None})
@@ -152,6 +154,8 @@ def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
                          f"{config.get('speculators_model_type')!r})")
     layer_config = dict(config["transformer_layer_config"])
     layer_config.pop("architectures", None)
+    num_layers = layer_config.get("num_hidden_layers", 1)
+    layer_config["num_hidden_layers"] = 1  # ours describes one layer; the drafter's count is num_layers
     if layer_config.get("model_type", "llama") != "llama":
         raise ValueError(f"only Llama-style transformer_layer_config imports, got {layer_config['model_type']!r}")
     if "rope_scaling" in layer_config and layer_config["rope_scaling"]:
@@ -171,7 +175,8 @@ def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
     eagle3 = Eagle3Config(layer_config=layer_config, attn_implementation=attn, input_mode="widen",
                           feature_layers=config.get("eagle_aux_hidden_state_layer_ids"),
                           draft_vocab_size=config["draft_vocab_size"],
-                          norm_before_residual=config.get("norm_before_residual", True), fc_bias=False, **fields)
+                          norm_before_residual=config.get("norm_before_residual", True), fc_bias=False,
+                          num_layers=num_layers, **fields)
     model = Eagle3Model(eagle3)
     renamed = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()}
     renamed.pop("embed_tokens.weight", None)  # we use the target's own embedding

@@ -97,11 +97,17 @@ def _accepted(fn, kwargs: dict) -> dict:
     return {k: v for k, v in kwargs.items() if k in params and v is not None}
 
 
-def build_decoder_layer(layer_config: PretrainedConfig) -> tuple[nn.Module, nn.Module | None]:
-    """One decoder layer of the target's class (layer_idx 0) and, when it needs one, its rotary embedding
-    (whose tables are non-persistent buffers rebuilt from the config, never saved)."""
+def build_decoder_layer(layer_config: PretrainedConfig, layer_idx: int = 0) -> tuple[nn.Module, nn.Module | None]:
+    """One decoder layer of the target's class and, when it needs one, its rotary embedding (whose tables are
+    non-persistent buffers rebuilt from the config, never saved). `layer_idx` is the layer's slot in the
+    drafter's own KV cache; every drafter layer is full attention."""
     arch = arch_classes(layer_config.model_type)
-    layer = arch.layer(layer_config, layer_idx=0)
+    if layer_idx >= layer_config.num_hidden_layers:  # classes that read per-layer settings index them by it
+        layer_config = copy.deepcopy(layer_config)
+        layer_config.num_hidden_layers = layer_idx + 1
+        if getattr(layer_config, "layer_types", None):
+            layer_config.layer_types = ["full_attention"] * (layer_idx + 1)
+    layer = arch.layer(layer_config, layer_idx=layer_idx)
     rotary = arch.rotary(layer_config) if arch.rotary is not None else None
     return layer, rotary
 

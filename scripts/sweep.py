@@ -35,6 +35,8 @@ SETTINGS = {
     "lr3e-3": {"lr": 3e-3},
     "constant": {"lr_schedule": "constant"},
     "steps2x": {"max_steps": None},  # filled in: twice the base steps (more epochs over the same data)
+    "layers2": {"drafter_options": {"draft_vocab_size": 8192, "num_layers": 2}},
+    "soft": {"loss": "soft"},  # KL to the target's whole next-token distribution (its last layer is cached too)
 }
 FIXED_TREE = {"mode": "dynamic", "depth": 4, "top_k": 4, "total_tokens": 16, "min_confidence": 0.0}
 
@@ -51,13 +53,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tau-prompts", type=int, default=16)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    p.add_argument("--feature-cache", default=str(ROOT / ".cache" / "selfspec-features"),
+                   help="offline feature cache root (shared by every setting reading the same layers)")
     p.add_argument("--only", nargs="*", default=None, choices=list(SETTINGS), help="run these settings only")
     return p.parse_args(argv)
 
 
 def overrides(name: str, args) -> dict:
     base = {"data": args.data, "max_samples": args.max_samples, "features": "offline", "max_steps": args.steps,
-            "save_every": 50, "keep_checkpoints": 1, "progress_bar": False, "output_dir": str(args.out / name)}
+            "save_every": 50, "keep_checkpoints": 1, "progress_bar": False, "output_dir": str(args.out / name),
+            "feature_cache_dir": args.feature_cache}
     change = dict(SETTINGS[name])
     if name == "steps2x":
         change["max_steps"] = 2 * args.steps
@@ -101,7 +106,7 @@ def row(name: str, args, result: dict, tau: dict) -> dict:
     depth = sum(1 for k in ev if k.endswith("/top1"))
     return {"setting": name, "overrides": {k: v for k, v in overrides(name, args).items()
                                            if k not in ("output_dir", "progress_bar", "save_every",
-                                                        "keep_checkpoints")},
+                                                        "keep_checkpoints", "feature_cache_dir")},
             "steps": result["step"], "train_minutes": round(result["train_seconds"] / 60, 1),
             "top1": [ev[f"step{i}/top1"] for i in range(depth)], "top3": [ev[f"step{i}/top3"] for i in range(depth)],
             "est_accept_len": ev["est_accept_len"], **tau}

@@ -427,6 +427,61 @@ def test_target_parts_are_required_until_attached():
 # ---- export formats ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_two_layer_eagle3_caches_and_stays_exact(arch):
+    """`num_layers=2`: the second layer is the target's own layer class with its own slot in the drafter's
+    cache: a prefix then the rest through the cache equals one block, and greedy output equals the target's
+    (batch 2, left padding), on every architecture (some classes index per-layer settings by layer_idx)."""
+    target = target_for(arch)
+    drafter = perturb(heads.build("eagle3", target, num_layers=2))
+    assert len(drafter.layers) == 2 and type(drafter.layers[1]) is type(drafter.layers[0])
+    ids = torch.randint(3, 96, (1, 6))
+    _, feats = features(target, drafter, ids)
+    h = drafter.fuse_features(feats)
+    full_hidden, _ = drafter(ids, h)
+    cache = DynamicCache()
+    drafter(ids[:, :4], h[:, :4], past_key_values=cache)
+    tail_hidden, _ = drafter(ids[:, 4:], h[:, 4:], past_key_values=cache)
+    torch.testing.assert_close(tail_hidden, full_hidden[:, 4:], rtol=1e-4, atol=1e-5)
+    assert len(cache.layers) == 2
+
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None,
+                               pad_token_id=0)
+    got = SelfSpecModel(target, drafter, tree={"depth": 3, "top_k": 3, "total_tokens": 8}).generate(
+        ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
+    assert torch.equal(got, expected)
+
+
+def test_eagle3_num_layers_must_be_positive():
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match="num_layers must be an int >= 1"):
+            heads.build("eagle3", target_for("llama").config, num_layers=bad)
+
+
+def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
+    """vLLM's EAGLE-3 model reads `num_hidden_layers` layers, the first over [embedding, feature] (2D inputs),
+    the rest plain layers over the hidden state: the reimport drafts the same."""
+    target = target_for("llama")
+    drafter = perturb(heads.build("eagle3", target, num_layers=2))
+    export_speculators(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["transformer_layer_config"]["num_hidden_layers"] == 2
+    with safe_open(tmp_path / "model.safetensors", "pt") as f:
+        shapes = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+    assert shapes["layers.0.self_attn.q_proj.weight"][1] == 64 and shapes["layers.1.self_attn.q_proj.weight"][1] == 32
+    assert "layers.1.hidden_norm.weight" not in shapes and "layers.1.mlp.down_proj.weight" in shapes
+    reimported = import_speculators(tmp_path)
+    assert reimported.config.num_layers == 2
+    ids = torch.randint(3, 96, (2, 5))
+    hidden, logits = run(reimported.attach(target), target, ids)
+    ref_hidden, ref_logits = run(drafter.attach(target), target, ids)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(hidden, ref_hidden, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", SPECULATORS_ARCHS)
 def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
     target = target_for(arch)

@@ -55,11 +55,13 @@ def mean_loss(history, part):
     ("eagle", "both", {"ttt_steps": 2, "feature_noise": 0.05}),
     ("eagle3", "hard", {"ttt_steps": 3, "drafter_options": {"draft_vocab_size": 48}}),
     ("eagle3", "soft", {"ttt_steps": 2}),
+    ("eagle3", "hard", {"ttt_steps": 2, "drafter_options": {"num_layers": 2}}),
     ("dflash", "hard", {"drafter_options": {"block_size": 4, "anchors_per_sample": 8}}),
     ("dflash", "both", {"drafter_options": {"block_size": 6, "num_layers": 1, "feature_layers": [2, 4]}}),
 ])
 def test_loss_goes_down_and_drafter_is_saved(workspace, kind, loss, extra):
-    result = run(workspace, f"{kind}_{loss}", drafter=kind, loss=loss, max_steps=30, **extra)
+    name = f"{kind}_{loss}" + "".join(f"_{k}{v}" for k, v in extra.get("drafter_options", {}).items())
+    result = run(workspace, name, drafter=kind, loss=loss, max_steps=30, **extra)
     history = result["history"]
     assert len(history) == 30
     first, last = mean_loss(history, lambda h: h[:5]), mean_loss(history, lambda h: h[-5:])

@@ -26,6 +26,9 @@ class Eagle3Config(EagleConfig):
     input_mode: str = "auto"
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden (speculators' flag)
     fc_bias: bool = False
+    # Decoder layers. The first reads [embedding, feature] as above; the others are the target's layer as it
+    # is, on the first one's output (the EAGLE-3 paper and speculators' checkpoints use one).
+    num_layers: int = 1
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
@@ -43,6 +46,8 @@ class Eagle3Config(EagleConfig):
         if self.draft_vocab_size is not None and vocab is not None and not 0 < self.draft_vocab_size <= vocab:
             raise ValueError(f"EAGLE-3 draft_vocab_size must be in 1..{vocab} (the target vocab), "
                              f"got {self.draft_vocab_size}")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"EAGLE-3 num_layers must be an int >= 1, got {self.num_layers!r}")
         if self.input_mode not in (*INPUT_MODES, "auto"):
             raise ValueError(f"EAGLE-3 input_mode must be one of {INPUT_MODES} or 'auto', got {self.input_mode!r}")
         if self.layer_config is not None:

@@ -45,7 +45,8 @@ class Eagle3Model(DrafterModel):
                a = self_attn([input_layernorm(e), hidden_norm(h)])   q/k/v take 2D inputs
                h = residual + a;  h = h + mlp(post_attention_layernorm(h))
       project: h = layer(proj([embed_norm(e), hidden_norm(h)]))     the target's layer as it is
-    where e is the target's embedding of the token and every module is of the target architecture's class.
+    where e is the target's embedding of the token and every module is of the target architecture's class;
+    with `num_layers` > 1 the target's layer as it is follows, num_layers - 1 times.
 
     Training-time test: call forward repeatedly, feeding step j's output hidden (and tokens drafted or
     shifted for step j+1) back in with the same `past_key_values` (a `DynamicCache`): each call appends its
@@ -64,7 +65,8 @@ class Eagle3Model(DrafterModel):
                              "heads.build('eagle3', target.config)")
         d, v, vd = config.target_hidden_size, config.target_vocab_size, config.draft_vocab_size
         self.fc = nn.Linear(len(config.feature_layers) * d, d, bias=config.fc_bias)
-        layer, rotary = build_decoder_layer(build_layer_config(config.layer_config, config.attn_implementation))
+        layer_config = build_layer_config(config.layer_config, config.attn_implementation)
+        layer, rotary = build_decoder_layer(layer_config)
         norm = first_norm(layer)
         if config.input_mode == "widen":
             attn = layer.self_attn
@@ -75,7 +77,8 @@ class Eagle3Model(DrafterModel):
             self.embed_norm = copy.deepcopy(norm)
             self.proj = nn.Linear(2 * d, d, bias=False)
         self.hidden_norm = copy.deepcopy(norm)
-        self.layers = nn.ModuleList([layer])
+        self.layers = nn.ModuleList([layer] + [build_decoder_layer(layer_config, i)[0]
+                                               for i in range(1, config.num_layers)])
         self.rotary_emb = rotary
         self.norm = copy.deepcopy(norm)
         self.lm_head = nn.Linear(d, vd, bias=False)
@@ -133,6 +136,8 @@ class Eagle3Model(DrafterModel):
         else:
             x = self.proj(torch.cat([self.embed_norm(e), self.hidden_norm(h)], dim=-1))
             h = call_layer(layer, x, **layer_kwargs)
+        for layer in self.layers[1:]:
+            h = call_layer(layer, h, **layer_kwargs)
         return h, self.lm_head(self.norm(h))
 
     def _is_fused(self, hidden_states: torch.Tensor, fused: bool | None) -> bool:
