@@ -5,8 +5,8 @@
     3. train      a drafter on those answers, within a wall-clock budget, then choose its drafting tree for
                   this machine on prompts it never saw (scripts/calibrate.py's measurement, about 2 min)
     4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
-                  lookup, and the trained drafter alone and with prompt lookup first; every greedy output
-                  checked equal
+                  lookup, the trained drafter and the shipped one (heads/shipped/), each alone and with
+                  prompt lookup first; every greedy output checked equal
 
 Everything stays on this machine: no network, nothing read from ../shared. Outputs go to `--out`
 (runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
@@ -204,7 +204,9 @@ def benchmark(target, tokenizer, drafter_dir: Path, questions: list[dict], out: 
     for name in heads.shipped_drafters():  # the drafters shipped for this target, beside the one trained here
         shipped = heads.load(name)
         if shipped.config.base_model_name_or_path == drafter.config.base_model_name_or_path:
-            methods.append(bench.engine_method(target, shipped, f"shipped:{name}"))
+            methods += [bench.engine_method(target, shipped, f"shipped:{name}"),
+                        bench.engine_method(target, shipped, f"shipped:{name}{bench.LOOKUP_SUFFIX}",
+                                            lookup_first=True)]
     result = bench.run_bench(target, tokenizer, questions, methods, max_new_tokens=max_new_tokens)
     result["environment"] = bench.environment(target, torch.get_num_threads())
     bench.write_outputs(result, out)
