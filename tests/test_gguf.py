@@ -28,10 +28,26 @@ PROMPTS = [
 ]
 
 
+class Drafts:
+    """A step observer counting, over the steps that drafted, the drafted and the accepted tokens."""
+
+    def __init__(self):
+        self.drafted = self.accepted = self.steps = 0
+
+    def __call__(self, tree, acc, budget):
+        drafted = int(tree.valid[0].sum()) - 1  # the root is the token committed last step
+        if drafted > 0:
+            self.steps += 1
+            self.drafted += drafted
+            self.accepted += int(acc.length[0]) - 1  # the bonus token is the target's, not a draft
+
+
 @pytest.mark.parametrize("adaptive", [True, False])
 def test_greedy_matches_generate_and_drafts_are_accepted(smollm2, adaptive):
     model, tokenizer = smollm2
-    spec = SelfSpecModel(model, GGUFDrafter(max_tokens=6, adaptive=adaptive, n_ctx=512), tokenizer=tokenizer)
+    drafts = Drafts()
+    spec = SelfSpecModel(model, GGUFDrafter(max_tokens=6, adaptive=adaptive, n_ctx=512), tokenizer=tokenizer,
+                         step_observer=drafts)
     taus = []
     for text in PROMPTS[:2]:  # the second call reuses the llama.cpp context of the first
         enc = chat(tokenizer, [text])
@@ -40,8 +56,13 @@ def test_greedy_matches_generate_and_drafts_are_accepted(smollm2, adaptive):
         assert torch.equal(got, expected)
         taus.append(spec.last_stats["mean_accepted_length"])
     # A 4-bit copy of the target agrees on ~97% of tokens; a cache out of step with the target's would
-    # draft from the wrong context and be rejected almost always.
-    assert min(taus) > 3.0, taus
+    # draft from the wrong context and be rejected almost always. Adaptive drafting sizes its chains and
+    # decides whether to draft from measured wall time, so its tau depends on the machine's load; the
+    # share of drafted tokens accepted does not.
+    assert drafts.steps > 0
+    assert drafts.accepted / drafts.drafted > 0.6, (drafts.accepted, drafts.drafted, taus)
+    if not adaptive:
+        assert min(taus) > 3.0, taus
 
 
 def test_target_is_left_as_it_was(smollm2):
