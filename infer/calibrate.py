@@ -261,18 +261,69 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
     return out
 
 
+STREAM_SIZES = (2, 4, 8, 16, 32)  # block rows at which the two multi-row kernels are compared
+
+
+def stream_rows(model, *, repeats: int = 3) -> int:
+    """Up to how many rows the streamed kernel (`cpu_linear.few_rows_linear`) multiplies `model`'s linear
+    weights faster than oneDNN's packed GEMM on this machine (0: at none, or it could not be built).
+
+    Every linear weight of the model is multiplied by a block of n random rows, in model order, so the
+    weights stream from memory as in a forward; the kernels are timed alternately, the median of `repeats`
+    runs each, at n in STREAM_SIZES. The answer is the largest n up to which the streamed kernel won at
+    every size, cached per model shape, device, threads and kernel source."""
+    weights = [m.weight.detach() for m in model.modules()
+               if type(m) is torch.nn.Linear and cpu_linear._plain(m.weight)]
+    if not weights or weights[0].device.type != "cpu" or not cpu_linear.available():
+        return 0
+    fields = {"model": _fingerprint(model), "device": device_name(weights[0].device),
+              "threads": torch.get_num_threads(), "kernel": _hash(cpu_linear.KERNEL_SOURCE.read_text())}
+    cached = _read_cache("stream_rows", fields)
+    if cached is not None:
+        return cached["rows"]
+    kernel = cpu_linear.streamed_kernel()
+    if kernel is None:
+        return 0
+    packed = cpu_linear.PackCache()
+    seconds = {"streamed": {}, "onednn": {}}
+    runs = {  # inputs: in_features -> [n, in_features]
+        "streamed": lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights],
+        "onednn": lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed.get(w), None,
+                                                                     "none", [], "") for w in weights],
+    }
+    with torch.inference_mode():
+        for n in STREAM_SIZES:
+            inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+            times = {name: [] for name in runs}
+            for _ in range(repeats + 1):  # the first round is a warm-up (and the packing)
+                for name, run in runs.items():
+                    tic = time.perf_counter()
+                    run(inputs)
+                    times[name].append(time.perf_counter() - tic)
+            for name in runs:
+                seconds[name][n] = statistics.median(times[name][1:])
+    rows = 0
+    for n in STREAM_SIZES:
+        if seconds["streamed"][n] >= seconds["onednn"][n]:
+            break
+        rows = n
+    _write_cache("stream_rows", fields, {"rows": rows, "seconds": seconds})
+    return rows
+
+
 def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
                  prepack: bool | None = None) -> list[float]:
     """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine (the
     engine's prepacked weights where it uses them), cached per target shape, device, threads and context."""
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max_nodes + 1)
+    streamed = stream_rows(target) if prepack else 0
     fields = {"target": _fingerprint(target), "device": device_name(target.device),
-              "threads": torch.get_num_threads(), "context": context, "prepack": prepack}
+              "threads": torch.get_num_threads(), "context": context, "prepack": prepack, "stream_rows": streamed}
     cached = _read_cache("verify", fields)
     if cached is not None and len(cached["seconds"]) > max_nodes:
         return cached["seconds"][: max_nodes + 1]
-    with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack):
+    with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
         costs = forward_cost(target, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
@@ -291,8 +342,8 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     budget = torch.tensor([context], device=device)  # never the limit
     timed, observe = {}, None
-    with _generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(target, drafter,
-                                                                                       enabled=prepack):
+    with _generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(
+            target, drafter, enabled=prepack, stream_rows=stream_rows(target) if prepack else 0):
         out = target(ids, output_hidden_states=bool(drafter.feature_layers))
         features = tuple(out.hidden_states[i] for i in drafter.feature_layers)
         ones = torch.ones_like(ids, dtype=torch.bool)

@@ -13,13 +13,27 @@ inputs of 2+ rows while it is active, and back afterwards; one-row calls keep th
 live in a `PackCache` the caller owns (SelfSpecModel keeps one), keyed weakly by the weight tensor and
 repacked if a weight changes: nothing is left on the user's modules, which stay deep-copyable and savable.
 The cost is a second copy of the linear weights in RAM while the cache lives.
+
+On some CPUs oneDNN's packed GEMM is itself the slow part: on a 2-core Intel Xeon with AVX-512
+(SmolLM2-135M, fp32, 2 threads) the 211 linears of one forward take 20 ms for one row (the GEMV, at the
+memory floor) but 29-35 ms for 2-8 rows packed, and 22-46 ms with the stock GEMM. `few_rows_linear`
+(infer/kernels/few_rows_linear.cpp, compiled on first use with the machine's own instruction set) streams
+each weight row once with software prefetch and takes 21/23/29 ms for 2/4/8 rows there. Which one wins
+is the machine's business, so `prepacked_linears(stream_rows=n)` sends blocks of 2..n rows to it and larger
+ones to oneDNN, and `infer.calibrate.stream_rows` measures n once per machine and target shape.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
 import os
+import platform
+import subprocess
+import warnings
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -62,12 +76,18 @@ class PackCache:
         return cached[2]
 
 
-def _forward(layer: nn.Linear, plain_forward, cache: PackCache):
+def _forward(layer: nn.Linear, plain_forward, cache: PackCache, stream_rows: int):
+    kernel = streamed_kernel() if stream_rows > 1 and layer.weight.is_contiguous() else None
+
     def forward(x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; one row (decode), autograd or torch.compile tracing -> the plain path
-        if (x.numel() == x.shape[-1] or torch.is_grad_enabled() or torch.compiler.is_compiling()
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if (rows <= 1 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or x.dtype != torch.float32 or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
             return plain_forward(x)
+        if kernel is not None and rows <= stream_rows:
+            y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, cache.get(layer.weight), layer.bias, "none", [], "")
     return forward
 
@@ -78,21 +98,64 @@ def _plain(weight: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None, enabled: bool = True):
+def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None, enabled: bool = True,
+                      stream_rows: int = 0):
     """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights
-    from `cache` (a fresh one, dropped at exit, if None)."""
+    from `cache` (a fresh one, dropped at exit, if None); blocks of 2..`stream_rows` rows run on the
+    streamed kernel instead, where it could be built."""
     cache = PackCache() if cache is None else cache
     found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
              if type(m) is nn.Linear and "forward" not in m.__dict__  # a shared lm_head counts once
              and _plain(m.weight)}
     layers = list(found.values())
     for layer in layers:
-        layer.forward = _forward(layer, layer.forward, cache)
+        layer.forward = _forward(layer, layer.forward, cache, stream_rows)
     try:
         yield
     finally:
         for layer in layers:
             del layer.forward
+
+
+# ------------------------------------------------------------------------------------ the streamed kernel
+KERNEL_SOURCE = Path(__file__).parent / "kernels" / "few_rows_linear.cpp"
+
+
+@functools.cache
+def streamed_kernel():
+    """The compiled `few_rows_linear` extension, or None (with one warning) where it cannot be built.
+
+    Compiled with `-march=native` on first use (about 25 s) into `<selfspec cache>/kernels/`, under a name
+    that hashes the source, the CPU's instruction-set flags and the torch version, so another machine or
+    torch builds its own."""
+    from torch.utils.cpp_extension import load
+
+    from .embedded import cache_dir
+
+    source = KERNEL_SOURCE.read_bytes()
+    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    name = f"selfspec_few_rows_{key}"
+    folder = cache_dir() / "kernels" / name
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return load(name, [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+    except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as err:
+        warnings.warn(f"could not build selfspec's streamed CPU kernel ({type(err).__name__}: "
+                      f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}); verify steps use "
+                      "oneDNN's packed GEMM instead. It needs a C++ compiler and ninja (`pip install ninja`).",
+                      stacklevel=2)
+        return None
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 INT4_GROUP = 32  # inputs per (scale, offset) pair; the smallest group torch's CPU int4 kernel takes

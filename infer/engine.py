@@ -185,8 +185,10 @@ class SelfSpecModel:
                  static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
-        prepacked oneDNN weights (`infer.cpu_linear`); None = on for an fp32 CPU target whose linear weights
-        take at most a quarter of RAM (off for the target when its verify is compiled).
+        prepacked oneDNN weights (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes
+        where it measured faster on this machine (`infer.calibrate.stream_rows`, timed once per machine and
+        cached); None = on for an fp32 CPU target whose linear weights take at most a quarter of RAM (off for
+        the target when its verify is compiled).
 
         `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or
         "calibrated": the tree that maximizes predicted tokens/s on this machine, from the acceptance
@@ -242,6 +244,11 @@ class SelfSpecModel:
             if static_cache:
                 self._verify_forward = _CompiledForward(target)
         self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
+        self._stream_rows = 0  # verify blocks of 2..this many rows run on the streamed kernel (measured once)
+        if self.cpu_prepack:
+            from .calibrate import stream_rows
+
+            self._stream_rows = stream_rows(self.target)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 
@@ -308,7 +315,7 @@ class SelfSpecModel:
             packed_target = None if self._verify_forward is not None else self.target
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
-                    enabled=self.cpu_prepack):
+                    enabled=self.cpu_prepack, stream_rows=self._stream_rows):
                 return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                       top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
         finally:

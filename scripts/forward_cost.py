@@ -2,8 +2,9 @@
 
 This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
 over n tokens, so the speedup is bounded by tau / (cost(n) / cost(1)). The forward runs on top of a KV
-cache of `--context` tokens, as a verification step does mid-generation, once with plain `nn.Linear` and
-once with the prepacked weights SelfSpecModel uses on CPU (infer/cpu_linear.py).
+cache of `--context` tokens, as a verification step does mid-generation, once with plain `nn.Linear`, once
+with oneDNN's prepacked weights, and once as SelfSpecModel runs it on CPU: blocks of up to `stream_rows` rows
+on the streamed kernel, larger ones prepacked (infer/cpu_linear.py).
 
     python scripts/forward_cost.py --target smollm2-135m-instruct --context 256
 """
@@ -18,7 +19,7 @@ import time
 
 import torch
 
-from infer.calibrate import forward_cost  # also what tree calibration times verify steps with
+from infer.calibrate import forward_cost, stream_rows  # the timing tree calibration uses; the kernel choice
 
 
 def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:
@@ -68,9 +69,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model, _ = resolve_target(args.target)
     plain = forward_cost(model, args.context, args.sizes, args.repeats)
-    with cpu_linear.prepacked_linears(model, enabled=cpu_linear.available()):  # what SelfSpecModel does on CPU
+    with cpu_linear.prepacked_linears(model, enabled=cpu_linear.available()):  # oneDNN for every block
         packed = forward_cost(model, args.context, args.sizes, args.repeats)
     columns = {"plain": plain, "prepacked": packed}
+    rows = stream_rows(model)  # what SelfSpecModel does on CPU: the streamed kernel where it measured faster
+    if rows:
+        with cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
+            columns[f"streamed<={rows}"] = forward_cost(model, args.context, args.sizes, args.repeats)
     if args.static:
         columns["static"] = static_forward_cost(model, args.context, args.sizes, args.repeats)
         columns["static compiled"] = static_forward_cost(model, args.context, args.sizes, args.repeats, compiled=True)

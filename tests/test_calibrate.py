@@ -218,7 +218,8 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
                           pad_token_id=0)
     model = SelfSpecModel(t, drafter, tree="calibrated")  # measures this machine's costs, then caches the choice
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
-    assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} == {"verify", "tree"}
+    # the verify curve, the chosen tree and (where the streamed kernel builds) the kernel choice
+    assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} - {"stream_rows"} == {"verify", "tree"}
     chosen = calibrate.calibrated_tree(drafter, t)
 
     def measured_again(*args, **kwargs):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -69,3 +71,83 @@ def test_default_policy_is_cpu_fp32_only():
     assert cpu_linear.worth_it(model)
     assert not cpu_linear.worth_it(model.to(torch.bfloat16))
     assert not cpu_linear.worth_it(nn.Module())
+
+
+# ------------------------------------------------------------------------------------ the streamed kernel
+def _kernel():
+    kernel = cpu_linear.streamed_kernel()
+    if kernel is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    return kernel
+
+
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("shape", [(48, 80, True), (37, 18, False), (64, 3, True)])  # in, out (tails), bias
+def test_streamed_rows_match_plain_linear(rows, shape):
+    _kernel()
+    in_features, out_features, bias = shape
+    torch.manual_seed(rows)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    x = torch.randn(1, rows, 2 * in_features)[..., ::2]  # not contiguous
+    with torch.no_grad():
+        expected = layer(x)
+    cache = cpu_linear.PackCache()
+    with torch.no_grad(), cpu_linear.prepacked_linears(layer, cache=cache, stream_rows=16):
+        got = layer(x)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert len(cache) == 0  # the streamed kernel ran, not oneDNN's packed GEMM
+
+
+def test_blocks_above_stream_rows_go_to_onednn():
+    _kernel()
+    layer = nn.Linear(32, 32)
+    cache = cpu_linear.PackCache()
+    with torch.no_grad(), cpu_linear.prepacked_linears(layer, cache=cache, stream_rows=4):
+        layer(torch.randn(4, 32))
+        assert len(cache) == 0
+        layer(torch.randn(5, 32))
+        assert len(cache) == 1
+
+
+def test_stream_rows_is_measured_once_per_machine(monkeypatch, tmp_path):
+    from infer import calibrate
+
+    _kernel()
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    model = tiny_model("llama")
+    rows = calibrate.stream_rows(model, repeats=1)
+    assert rows == 0 or rows in calibrate.STREAM_SIZES
+    (entry,) = (tmp_path / "calibration").glob("stream_rows-*.json")
+    assert set(json.loads(entry.read_text())["seconds"]) == {"streamed", "onednn"}
+    monkeypatch.setattr(cpu_linear, "streamed_kernel", lambda: pytest.fail("measured again"))
+    assert calibrate.stream_rows(model) == rows  # read from the cache
+
+
+def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'x': c++: command not found")
+
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    with pytest.warns(UserWarning, match="c\\+\\+: command not found.*oneDNN"):
+        assert cpu_linear.streamed_kernel.__wrapped__() is None
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
+    from infer import calibrate
+
+    kernel = _kernel()
+    calls = []
+    monkeypatch.setattr(calibrate, "stream_rows", lambda model: 16)  # whatever this machine measured
+    monkeypatch.setattr(cpu_linear, "streamed_kernel",
+                        lambda: type("Spy", (), {"few_rows_linear": lambda self, *a: calls.append(1)
+                                                 or kernel.few_rows_linear(*a)})())
+    target = tiny_model(arch)
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    model = SelfSpecModel(target, "ngram")
+    assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
+    assert calls  # verify blocks ran on it

@@ -1,0 +1,105 @@
+// y = x @ w.T for the few rows of a verify step, streaming each fp32 weight row once from memory.
+//
+// A verify step multiplies every weight matrix by the 2-16 rows of a draft tree. The weights do not fit
+// in cache, so the step is bound by how fast they stream from memory; BLAS GEMMs, made for many rows,
+// stream them at about half the rate of the one-row GEMV on some CPUs (infer/cpu_linear.py has the
+// numbers). Here each thread walks its own contiguous block of weight rows, 4 rows at a time with a
+// software prefetch 1 KB ahead of each, and multiplies them by up to 4 input rows held in registers;
+// more input rows take more passes over the same 4 weight rows, which are in L1 by then.
+//
+// The weight stays as it is (row-major [N, K], no packed copy). Sums run in a different order than
+// BLAS, so results differ from F.linear by float rounding only.
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+namespace {
+
+typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats: one AVX-512 or two AVX2 registers
+typedef float vec8 __attribute__((vector_size(32), aligned(4)));
+typedef float vec4 __attribute__((vector_size(16), aligned(4)));
+constexpr int64_t kLanes = 16;
+constexpr int64_t kWeightRows = 4;   // weight rows streamed together
+constexpr int64_t kInputRows = 4;    // input rows per pass (kWeightRows x kInputRows accumulators)
+constexpr int64_t kPrefetch = 256;   // floats ahead of the current load, per weight row (1 KB)
+
+inline float sum_lanes(vec v) {
+  vec8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+           __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// y[r, n + b] = x[r, :] . w[n + b, :] for r < R, b < B. x: [R, K] (row stride K), w: [N, K], y: [R, N].
+template <int B, int R>
+inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n) {
+  vec acc[B][R] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= K; k += kLanes) {
+    vec wv[B];
+    for (int b = 0; b < B; ++b) {
+      const float* row = w + (n + b) * K + k;
+      wv[b] = *reinterpret_cast<const vec*>(row);
+      __builtin_prefetch(row + kPrefetch, 0, 3);
+    }
+    for (int r = 0; r < R; ++r) {
+      vec xv = *reinterpret_cast<const vec*>(x + r * K + k);
+      for (int b = 0; b < B; ++b) acc[b][r] += wv[b] * xv;
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    for (int r = 0; r < R; ++r) {
+      float s = sum_lanes(acc[b][r]);
+      for (int64_t t = k; t < K; ++t) s += w[(n + b) * K + t] * x[r * K + t];  // K not a multiple of 16
+      y[r * N + n + b] = s;
+    }
+  }
+}
+
+// Weight rows [n, n + B) against all M input rows, kInputRows at a time.
+template <int B>
+void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+  for (int64_t m = 0; m < M; m += kInputRows) {
+    const float* xm = x + m * K;
+    float* ym = y + m * N;
+    switch (std::min(kInputRows, M - m)) {
+      case 1: tile<B, 1>(xm, w, ym, K, N, n); break;
+      case 2: tile<B, 2>(xm, w, ym, K, N, n); break;
+      case 3: tile<B, 3>(xm, w, ym, K, N, n); break;
+      default: tile<B, 4>(xm, w, ym, K, N, n); break;
+    }
+  }
+}
+
+}  // namespace
+
+// x: [M, K] fp32, weight: [N, K] fp32 contiguous, bias: [N] or None -> [M, N]
+torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
+                              const c10::optional<torch::Tensor>& bias) {
+  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2 && x_in.size(1) == weight.size(1),
+              "few_rows_linear: x [M, K] and weight [N, K] expected");
+  TORCH_CHECK(x_in.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
+              "few_rows_linear: float32 only");
+  TORCH_CHECK(weight.is_contiguous(), "few_rows_linear: the weight must be contiguous");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = N / kWeightRows;
+  const int64_t threads = at::get_num_threads();
+  // one contiguous run of weight rows per thread: each thread's stream is sequential
+  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) weight_rows<kWeightRows>(xp, wp, yp, M, K, N, i * kWeightRows);
+  });
+  for (int64_t n = blocks * kWeightRows; n < N; ++n) weight_rows<1>(xp, wp, yp, M, K, N, n);
+  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  return y;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
+}
