@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import cpu_linear
+from . import cpu_linear, gqa_attention
 from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .embedded import target_tokenizer
@@ -115,15 +115,19 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_a
 
 @contextlib.contextmanager
 def _generation_mode(target):
-    """Eval mode and a maskable attention for the call. Afterwards the target is as it was: the user's
-    train/eval flags and attention, and no attribute or hook left on its modules (transformers installs
-    hidden-state capture hooks on first use, which would make the model unpicklable)."""
+    """Eval mode and a maskable attention for the call (on CPU, sdpa as `infer.gqa_attention` runs it for
+    grouped K/V heads). Afterwards the target is as it was: the user's train/eval flags and attention, and
+    no attribute or hook left on its modules (transformers installs hidden-state capture hooks on first use,
+    which would make the model unpicklable)."""
     before = {name: (m.training, set(m.__dict__), {d: set(getattr(m, d, {})) for d in _HOOK_DICTS})
               for name, m in target.named_modules()}
     impl = target.config._attn_implementation
-    switch = impl not in MASKABLE_ATTENTION
+    during = impl if impl in MASKABLE_ATTENTION else "sdpa"
+    if during == "sdpa" and target.device.type == "cpu":
+        during = gqa_attention.NAME  # sdpa, without a copy of the KV cache per query head
+    switch = during != impl
     if switch:
-        target.set_attn_implementation("sdpa")
+        target.set_attn_implementation(during)
     target.eval()
     try:
         yield
