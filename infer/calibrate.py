@@ -209,14 +209,23 @@ def wide_tree(config, mode: str | None = None, *, wide: int = WIDE, depth: int |
     if mode == "dynamic" and not dynamic_capable:
         raise ValueError(f"a {config.model_type} drafter drafts static trees only; calibrate with mode='static'")
     if mode == "dynamic":
-        return {"mode": "dynamic", "top_k": top_k or tree["top_k"], "depth": depth or tree["depth"],
-                "total_tokens": wide, "min_confidence": 0.0}
+        return {"mode": "dynamic", "top_k": top_k or tree["top_k"],
+                "depth": depth or max(tree["depth"], _measured_depth(config)), "total_tokens": wide,
+                "min_confidence": 0.0}
     if mode != "static":
         raise ValueError(f"calibration mode must be 'static' or 'dynamic', got {mode!r}")
     if depth is None:
         depth = max(len(p) for p in tree["paths"]) if tree.get("paths") else tree["depth"]
     paths = [list(p) for p in prior_paths(depth, wide, top1=0.8, decay=0.9, spread=0.3)]
     return {"mode": "static", "paths": paths, "min_confidence": 0.0} if dynamic_capable else {"paths": paths}
+
+
+def _measured_depth(config) -> int:
+    """The deepest tree an earlier calibration measured acceptance on (0: none). `--write` stores the tree it
+    chose, which may be shallow on a machine where verifying is dear; measuring again only that deep would
+    keep a later calibration, on a machine where deeper trees pay, from ever seeing them."""
+    measured = (getattr(config, "calibration", None) or {}).get("measured") or []
+    return max((_depth(m["tree"]) for m in measured if "tree" in m), default=0)
 
 
 def measure_acceptance(target, drafter, prompts: list[torch.Tensor], tree: dict, *, max_new_tokens: int = 64,
@@ -318,12 +327,13 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max_nodes + 1)
     streamed = stream_rows(target) if prepack else 0
-    fields = {"target": _fingerprint(target), "device": device_name(target.device),
-              "threads": torch.get_num_threads(), "context": context, "prepack": prepack, "stream_rows": streamed}
-    cached = _read_cache("verify", fields)
-    if cached is not None and len(cached["seconds"]) > max_nodes:
-        return cached["seconds"][: max_nodes + 1]
     with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
+        fields = {"target": _fingerprint(target), "device": device_name(target.device),
+                  "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
+                  "stream_rows": streamed, "attention": target.config._attn_implementation}  # as generate runs it
+        cached = _read_cache("verify", fields)
+        if cached is not None and len(cached["seconds"]) > max_nodes:
+            return cached["seconds"][: max_nodes + 1]
         costs = forward_cost(target, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})

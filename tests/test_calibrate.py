@@ -368,3 +368,14 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
     expected = t.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
     model = SelfSpecModel(t, saved, tree="calibrated")
     assert torch.equal(model.generate(ids, max_new_tokens=10, eos_token_id=[]), expected)
+
+
+def test_a_shallow_chosen_tree_does_not_narrow_the_next_measurement():
+    t = target()
+    config = heads.build("eagle3", t).config
+    config.tree = {**config.tree, "mode": "dynamic", "depth": 1}  # what --write chose on a machine
+    config.calibration = {"measured": [{"mode": "dynamic", "tree": {**config.tree, "depth": 3}}]}
+    assert calibrate.wide_tree(config)["depth"] == 3  # measured as deep as before
+    assert calibrate.wide_tree(config, depth=2)["depth"] == 2  # unless asked
+    config.calibration = None
+    assert calibrate.wide_tree(config)["depth"] == 1
