@@ -30,7 +30,9 @@ import functools
 import hashlib
 import os
 import platform
+import shutil
 import subprocess
+import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -137,15 +139,37 @@ def streamed_kernel():
     name = f"selfspec_few_rows_{key}"
     folder = cache_dir() / "kernels" / name
     folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / f"{name}.so").exists():
+        print(f"selfspec: compiling the CPU verify kernel for this machine, once (about 25 s) -> {folder}",
+              file=sys.stderr, flush=True)
     try:
-        return load(name, [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                    extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+        with _ninja_on_path():
+            return load(name, [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as err:
         warnings.warn(f"could not build selfspec's streamed CPU kernel ({type(err).__name__}: "
                       f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}); verify steps use "
                       "oneDNN's packed GEMM instead. It needs a C++ compiler and ninja (`pip install ninja`).",
                       stacklevel=2)
         return None
+
+
+@contextlib.contextmanager
+def _ninja_on_path():
+    """torch builds with the `ninja` on PATH; a virtual environment that is not activated has pip's ninja
+    (a dependency) only in its own bin folder, so put that on PATH for the build."""
+    saved = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            pass
+        else:
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + saved
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = saved
 
 
 def _cpu_flags() -> str:
