@@ -25,6 +25,7 @@ tree. Greedy output never depends on the tree; only the speed does.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -278,8 +279,8 @@ def stream_rows(model, *, repeats: int = 3) -> int:
     weights faster than oneDNN's packed GEMM on this machine (0: at none, or it could not be built).
 
     Every linear weight of the model is multiplied by a block of n random rows, in model order, so the
-    weights stream from memory as in a forward; the kernels are timed alternately, the median of `repeats`
-    runs each, at n in STREAM_SIZES. The answer is the largest n up to which the streamed kernel won at
+    weights stream from memory as in a forward; each kernel is timed at n in STREAM_SIZES, the median of
+    `repeats` runs after a warm-up. The answer is the largest n up to which the streamed kernel won at
     every size, cached per model shape, device, threads and kernel source."""
     weights = [m.weight.detach() for m in model.modules()
                if type(m) is torch.nn.Linear and cpu_linear._plain(m.weight)]
@@ -303,14 +304,8 @@ def stream_rows(model, *, repeats: int = 3) -> int:
     with torch.inference_mode():
         for n in STREAM_SIZES:
             inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
-            times = {name: [] for name in runs}
-            for _ in range(repeats + 1):  # the first round is a warm-up (and the packing)
-                for name, run in runs.items():
-                    tic = time.perf_counter()
-                    run(inputs)
-                    times[name].append(time.perf_counter() - tic)
-            for name in runs:
-                seconds[name][n] = statistics.median(times[name][1:])
+            for name, run in runs.items():  # the warm-up run packs oneDNN's weights
+                seconds[name][n] = _median_seconds(functools.partial(run, inputs), repeats, weights[0].device)
     rows = 0
     for n in STREAM_SIZES:
         if seconds["streamed"][n] >= seconds["onednn"][n]:
