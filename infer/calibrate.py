@@ -38,11 +38,11 @@ import torch
 
 from heads.trees import Prediction, best_prediction, candidate_trees, prior_paths
 
-from . import cpu_linear
+from . import cpu_linear, lean_forward
 from .drafting import TargetStep
 from .embedded import cache_dir
 from .engine import SelfSpecModel, _generation_mode, _max_positions
-from .kv import cache_argument
+from .kv import KVState, cache_argument, forward_block, prompt_tree
 from .sampling import SamplingParams
 
 MAX_NODES = 64  # the largest tree calibration considers (drafted nodes, the root not counted)
@@ -271,6 +271,35 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
     return out
 
 
+def _block_costs(target, model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
+    """Median seconds of `model` (the target or its lean forward) on a chain of n new nodes after a
+    `context`-token prompt in the engine's KV cache, per n: mask, forward and cache writes, as a verify step
+    runs them (each timed `repeats` times after a warm-up, the block rolled back after each)."""
+    vocab = target.config.get_text_config().vocab_size
+    device = target.device
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    with torch.inference_mode():
+        kv = KVState(1, device, target.config)
+        depth, ancestors, valid = prompt_tree(torch.ones_like(prefix))
+        forward_block(target, kv, depth, ancestors, valid, input_ids=prefix, logits_to_keep=1)
+        kv.commit_block(0, valid)
+        start, out = kv.size, {}
+        for n in sizes:
+            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            depth, ancestors, valid = prompt_tree(torch.ones_like(ids))
+            times = []
+            for _ in range(repeats + 1):  # the first run is a warm-up
+                _sync(device)
+                tic = time.perf_counter()
+                forward_block(model, kv, depth, ancestors, valid, input_ids=ids)
+                _sync(device)
+                times.append(time.perf_counter() - tic)
+                kv.rollback(start)
+            out[n] = statistics.median(times[1:])
+    return out
+
+
 STREAM_SIZES = (2, 4, 8, 16, 32)  # block rows at which the two multi-row kernels are compared
 
 
@@ -317,19 +346,24 @@ def stream_rows(model, *, repeats: int = 3) -> int:
 
 def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
                  prepack: bool | None = None) -> list[float]:
-    """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine (the
-    engine's prepacked weights where it uses them), cached per target shape, device, threads and context."""
+    """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine, run as
+    the engine runs it by default (its KV cache and tree mask; the lean forward where it applies, else the
+    model's own with the prepacked weights where it uses them), cached per target shape, device, threads,
+    context and forward."""
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max_nodes + 1)
     streamed = stream_rows(target) if prepack else 0
+    lean = prepack and lean_forward.why_not(target) is None
     with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
         fields = {"target": _fingerprint(target), "device": device_name(target.device),
                   "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
-                  "stream_rows": streamed, "attention": target.config._attn_implementation}  # as generate runs it
+                  "stream_rows": streamed, "attention": target.config._attn_implementation,  # as generate runs it
+                  "forward": "lean" if lean else "transformers"}
         cached = _read_cache("verify", fields)
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
-        costs = forward_cost(target, context, list(range(1, max_nodes + 2)), repeats)
+        model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache()) if lean else target
+        costs = _block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
     return seconds

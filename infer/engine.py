@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import cpu_linear, gqa_attention
+from . import cpu_linear, gqa_attention, lean_forward
 from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .embedded import target_tokenizer
@@ -186,7 +186,8 @@ class SelfSpecModel:
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
                  cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False,
-                 static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None):
+                 static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
+                 lean_verify: bool | None = None):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
         prepacked oneDNN weights (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes
@@ -253,6 +254,19 @@ class SelfSpecModel:
             from .calibrate import stream_rows
 
             self._stream_rows = stream_rows(self.target)
+        self._lean = None  # the verify forward without transformers' module machinery, where it can run
+        if lean_verify is not None and not isinstance(lean_verify, bool):
+            raise ValueError(f"lean_verify must be True, False or None, got {lean_verify!r}")
+        if lean_verify is not False:
+            problem = lean_forward.why_not(self.target) if self.cpu_prepack else "cpu_prepack is off"
+            if problem is None and self._verify_forward is not None:
+                problem = "the verify forward is compiled (compile=True with static_cache)"
+            if problem is None:
+                self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
+            elif lean_verify:
+                raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
+                                 "to use it where it can, or False")
+        self._lean_now = False  # this call's choice: no user hook on the target when it began
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 
@@ -317,6 +331,7 @@ class SelfSpecModel:
         try:
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
+            self._lean_now = self._lean is not None and not lean_forward.user_hooks(self.target)
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
@@ -331,7 +346,9 @@ class SelfSpecModel:
                                   pad_token_id, generation_config)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
         kv = self._new_cache(input_ids, settings.max_new_tokens)
-        stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0}
+        stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
+                 "target_seconds": 0.0, "verify_forward": "lean" if self._lean_now else "transformers"}
+        self._target_seconds = 0.0
         rows = self._start_rows(attention_mask, settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -376,6 +393,7 @@ class SelfSpecModel:
         if streamer is not None:
             streamer.end()
         new_tokens = sum(len(o) for o in rows.out)
+        stats["target_seconds"] = self._target_seconds  # inside the target's prefill and verify forwards
         # tau: new tokens per (row, target forward), the bonus token counted and the prefill included
         stats.update(new_tokens=new_tokens, accepted_lengths=rows.accepted,
                      mean_accepted_length=new_tokens / max(stats["row_forwards"], 1))
@@ -385,8 +403,10 @@ class SelfSpecModel:
     # ---------------------------------------------------------------- steps
     def _prefill(self, kv, input_ids, attention_mask, settings, generator) -> TargetStep:
         depth, ancestors, valid = prompt_tree(attention_mask)
+        tic = time.perf_counter()
         out = forward_block(self.target, kv, depth, ancestors, valid, input_ids=input_ids,
                             output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
+        self._target_seconds += time.perf_counter() - tic
         kv.mark_valid(valid)
         logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
         root = next_token(logits[:, -1], settings.sampling, generator)
@@ -408,7 +428,9 @@ class SelfSpecModel:
             size = verify_bucket(m)
             tokens, offsets, attend, valid = _pad_block(tokens, offsets, attend, valid,
                                                         size if size <= kv.room() else m)
+        tic = time.perf_counter()
         out = self._verify_forward_block(kv, tokens, offsets, attend, valid)
+        self._target_seconds += time.perf_counter() - tic
         logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
@@ -440,7 +462,8 @@ class SelfSpecModel:
                               f"{str(err)[:200]}); verifying goes on without compiling", stacklevel=4)
                 self._verify_forward = None
                 kv.rollback(size)
-        return forward_block(self.target, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
+        model = self._lean if self._lean_now else self.target
+        return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
 
     def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:
         """The target's KV cache for one generate call: growing, or static with room for the whole request."""

@@ -35,6 +35,7 @@ Writes `results.json`, `results.md`, `speedup.png` and `accepted_lengths.png` in
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -117,23 +118,37 @@ class Method:
     # called with the baseline's new tokens for the prompt before each run (an oracle drafter's answer)
     before: Callable[[list[int]], None] | None = None
     ideal_tokens_per_step: float | None = None  # an oracle's expected tokens per step at its alpha
+    # its stats report target_forwards (and target_seconds) itself; otherwise ForwardCounter's hooks count them
+    counts_forwards: bool = False
 
 
 class ForwardCounter:
-    """Counts the target's forward calls, so tau is measured the same way for every method, and the time
-    spent inside them, so that what a method spends outside the target's forwards can be told apart."""
+    """Counts the target's forward calls while a method that reports none of its own runs (transformers'
+    rows), and the time spent inside them. Its hooks sit on the target only during such a run:
+    SelfSpecModel reports its own forwards and their time, and runs its lean verify forward only on a
+    target without user hooks."""
 
     def __init__(self, model):
-        self.calls, self.seconds, self._tic = 0, 0.0, None
-        self._handles = [model.register_forward_pre_hook(self._enter), model.register_forward_hook(self._leave)]
+        self.model, self.calls, self.seconds, self._tic, self._handles = model, 0, 0.0, None, []
 
     def reset(self) -> None:
         self.calls, self.seconds = 0, 0.0
 
+    @contextlib.contextmanager
+    def counting(self):
+        self._handles = [self.model.register_forward_pre_hook(self._enter),
+                         self.model.register_forward_hook(self._leave)]
+        try:
+            yield
+        finally:
+            self.remove()
+
+    @torch.compiler.disable  # a compiled forward would trace the hooks and recompile on every new count
     def _enter(self, module, args):
         self.calls += 1
         self._tic = time.perf_counter()
 
+    @torch.compiler.disable
     def _leave(self, module, args, output):
         if self._tic is not None:
             self.seconds += time.perf_counter() - self._tic
@@ -142,6 +157,7 @@ class ForwardCounter:
     def remove(self):
         for handle in self._handles:
             handle.remove()
+        self._handles = []
 
 
 def hf_method(target, name: str, **generate_kwargs) -> Method:
@@ -159,16 +175,17 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
 
 
 def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False,
-                  static_cache: bool = False) -> Method:
+                  static_cache: bool = False, lean_verify: bool | None = None) -> Method:
     from infer import SelfSpecModel
 
-    model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache)
+    model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache,
+                          lean_verify=lean_verify)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
         return out, dict(model.last_stats)
 
-    return Method(name, run, reset=getattr(model.drafter, "clear", None))
+    return Method(name, run, reset=getattr(model.drafter, "clear", None), counts_forwards=True)
 
 
 def oracle_method(target, alpha: float, depth: int = 8, static_cache: bool = False, compile: bool = False) -> Method:
@@ -187,7 +204,7 @@ def oracle_method(target, alpha: float, depth: int = 8, static_cache: bool = Fal
         return out, dict(model.last_stats)
 
     return Method(f"oracle:{alpha:g}{suffix}", run, before=lambda answer: drafter.expect([answer]),
-                  ideal_tokens_per_step=expected_tokens_per_step(alpha, depth))
+                  ideal_tokens_per_step=expected_tokens_per_step(alpha, depth), counts_forwards=True)
 
 
 def parse_tree(text: str | None) -> dict:
@@ -241,7 +258,8 @@ def drafter_label(folder: str, drafter) -> str:
 LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., lookup_first=True)
 COMPILE_SUFFIX = "+compile"  # `--drafter <spec>+compile`: SelfSpecModel(..., compile=True)
 STATIC_SUFFIX = "+static"  # `--drafter <spec>+static`: SelfSpecModel(..., static_cache=True)
-SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX)
+MODULES_SUFFIX = "+modules"  # `--drafter <spec>+modules`: SelfSpecModel(..., lean_verify=False)
+SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX, MODULES_SUFFIX)
 
 
 def _serve_module():
@@ -292,7 +310,7 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
         return out, {"target_forwards": max(len(ids) - counts["accepted"], 1), "drafts": counts["drafts"],
                      "accepted_by_position": counts["per_position"]}
 
-    return Method(name, run, close=engine.close, engine="vllm")
+    return Method(name, run, close=engine.close, engine="vllm", counts_forwards=True)
 
 
 def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
@@ -304,7 +322,8 @@ def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
     if isinstance(drafter, torch.nn.Module):
         drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
     return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
-                         COMPILE_SUFFIX in options, STATIC_SUFFIX in options)
+                         COMPILE_SUFFIX in options, STATIC_SUFFIX in options,
+                         lean_verify=False if MODULES_SUFFIX in options else None)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -430,11 +449,12 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
             if m.before is not None:
                 m.before(outputs[BASELINE])  # the baseline runs first in every round
             counter.reset()
-            tic = time.perf_counter()
-            out, stats = m.run(ids, max_new_tokens)
-            if out.device.type == "cuda":
-                torch.cuda.synchronize(out.device)
-            seconds = time.perf_counter() - tic
+            with contextlib.nullcontext() if m.counts_forwards else counter.counting():
+                tic = time.perf_counter()
+                out, stats = m.run(ids, max_new_tokens)
+                if out.device.type == "cuda":
+                    torch.cuda.synchronize(out.device)
+                seconds = time.perf_counter() - tic
             r = results[m.name]
             r["seconds_all"].append(seconds)
             tokens = _new_tokens(out, ids.shape[1], eos)
@@ -447,7 +467,8 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
                 r.update(drafts=stats["drafts"], accepted_by_position=stats["accepted_by_position"])
             if "accepted_lengths" in stats:
                 r.update(accepted_lengths=list(stats["accepted_lengths"]), draft_seconds=stats.get("draft_seconds"),
-                         verify_seconds=stats.get("verify_seconds"), target_seconds=counter.seconds)
+                         verify_seconds=stats.get("verify_seconds"),
+                         target_seconds=stats.get("target_seconds", counter.seconds))
     for r in results.values():
         r["seconds"] = statistics.median(r["seconds_all"])
     return results, outputs
@@ -710,8 +731,9 @@ def main(argv=None) -> int:
                         help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
                              "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
                              f"{LOOKUP_SUFFIX!r} (prompt lookup first), {COMPILE_SUFFIX!r} (the drafter's "
-                             f"forwards compiled; with {STATIC_SUFFIX!r} the verify too) and/or {STATIC_SUFFIX!r} "
-                             "(the target's static KV cache); repeat for several")
+                             f"forwards compiled; with {STATIC_SUFFIX!r} the verify too), {STATIC_SUFFIX!r} "
+                             f"(the target's static KV cache) and/or {MODULES_SUFFIX!r} (verify through the "
+                             "model's own modules, not the lean forward); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")

@@ -117,7 +117,7 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
 
     # The same run with an engine that emits a wrong token must fail under --strict.
     real = bench.engine_method
-    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, *options: broken_method(target))
+    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, *options, **settings: broken_method(target))
     assert bench.main(argv) == 1
     monkeypatch.setattr(bench, "engine_method", real)
 

@@ -14,6 +14,9 @@
 
 #include <ATen/Parallel.h>
 
+#include <cmath>
+#include <vector>
+
 namespace {
 
 typedef float vec __attribute__((vector_size(64), aligned(4)));  // 16 floats: one AVX-512 or two AVX2 registers
@@ -31,9 +34,10 @@ inline float sum_lanes(vec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// y[r, n + b] = x[r, :] . w[n + b, :] for r < R, b < B. x: [R, K] (row stride K), w: [N, K], y: [R, N].
+// y[r, n + b] = x[r, :] . w[n + b, :] for r < R, b < B. x: [R, K] (row stride K), w: [N, K], y: rows of
+// stride ldy (N for one weight; the total width when several weights write side by side).
 template <int B, int R>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t n) {
+inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t ldy, int64_t n) {
   vec acc[B][R] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
@@ -52,54 +56,113 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t N,
     for (int r = 0; r < R; ++r) {
       float s = sum_lanes(acc[b][r]);
       for (int64_t t = k; t < K; ++t) s += w[(n + b) * K + t] * x[r * K + t];  // K not a multiple of 16
-      y[r * N + n + b] = s;
+      y[r * ldy + n + b] = s;
     }
   }
 }
 
 // Weight rows [n, n + B) against all M input rows, kInputRows at a time.
 template <int B>
-void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n) {
+void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n) {
   for (int64_t m = 0; m < M; m += kInputRows) {
     const float* xm = x + m * K;
-    float* ym = y + m * N;
+    float* ym = y + m * ldy;
     switch (std::min(kInputRows, M - m)) {
-      case 1: tile<B, 1>(xm, w, ym, K, N, n); break;
-      case 2: tile<B, 2>(xm, w, ym, K, N, n); break;
-      case 3: tile<B, 3>(xm, w, ym, K, N, n); break;
-      default: tile<B, 4>(xm, w, ym, K, N, n); break;
+      case 1: tile<B, 1>(xm, w, ym, K, ldy, n); break;
+      case 2: tile<B, 2>(xm, w, ym, K, ldy, n); break;
+      case 3: tile<B, 3>(xm, w, ym, K, ldy, n); break;
+      default: tile<B, 4>(xm, w, ym, K, ldy, n); break;
     }
   }
 }
 
+void check_weight(const torch::Tensor& weight, int64_t K, const char* name) {
+  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat, name, ": float32 only");
+  TORCH_CHECK(weight.is_contiguous(), name, ": the weight must be contiguous");
+}
+
 }  // namespace
+
+// x: [M, K] fp32; weights: [N_i, K] fp32 contiguous; biases: one [N_i] (or None) per weight, or empty.
+// Returns [M, sum N_i]: the weights' outputs side by side, as if they were one concatenated weight (the
+// q/k/v or gate/up projections of a layer in one pass, without a concatenated copy of them in memory).
+torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
+                                  const std::vector<c10::optional<torch::Tensor>>& biases) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "few_rows_linear: x [M, K] float32 expected");
+  TORCH_CHECK(!weights.empty(), "few_rows_linear: no weight given");
+  TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  // work items: (weight, first row, rows) in blocks of kWeightRows, tails of 1 row
+  struct Item { int64_t weight, row, rows, column; };
+  std::vector<Item> items;
+  std::vector<int64_t> column(weights.size());
+  int64_t width = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    check_weight(weights[i], K, "few_rows_linear");
+    const int64_t N = weights[i].size(0);
+    column[i] = width;
+    for (int64_t n = 0; n + kWeightRows <= N; n += kWeightRows) items.push_back({int64_t(i), n, kWeightRows, width});
+    for (int64_t n = N / kWeightRows * kWeightRows; n < N; ++n) items.push_back({int64_t(i), n, 1, width});
+    width += N;
+  }
+  torch::Tensor y = torch::empty({M, width}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t threads = at::get_num_threads();
+  // one contiguous run of weight rows per thread: each thread's stream is sequential
+  at::parallel_for(0, count, (count + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const Item& it = items[j];
+      const float* wp = weights[it.weight].data_ptr<float>();
+      if (it.rows == kWeightRows) weight_rows<kWeightRows>(xp, wp, yp + it.column, M, K, width, it.row);
+      else weight_rows<1>(xp, wp, yp + it.column, M, K, width, it.row);
+    }
+  });
+  for (size_t i = 0; i < biases.size(); ++i) {
+    if (biases[i].has_value() && biases[i]->defined())
+      y.narrow(1, column[i], weights[i].size(0)).add_(*biases[i]);
+  }
+  return y;
+}
 
 // x: [M, K] fp32, weight: [N, K] fp32 contiguous, bias: [N] or None -> [M, N]
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
-  TORCH_CHECK(x_in.dim() == 2 && weight.dim() == 2 && x_in.size(1) == weight.size(1),
-              "few_rows_linear: x [M, K] and weight [N, K] expected");
-  TORCH_CHECK(x_in.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat,
-              "few_rows_linear: float32 only");
-  TORCH_CHECK(weight.is_contiguous(), "few_rows_linear: the weight must be contiguous");
+  return few_rows_linear_cat(x_in, {weight}, {bias});
+}
+
+// RMSNorm over the last dimension, as Llama-family models compute it in fp32:
+// y = weight * x / sqrt(mean(x^2) + eps). x: [M, K] fp32, weight: [K] fp32.
+torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, double eps) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "rms_norm: x [M, K] float32 expected");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x_in.size(1) && weight.scalar_type() == torch::kFloat,
+              "rms_norm: weight [K] float32 expected");
   const torch::Tensor x = x_in.contiguous();
-  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
-  torch::Tensor y = torch::empty({M, N}, x.options());
+  const torch::Tensor w = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1);
+  torch::Tensor y = torch::empty_like(x);
   const float* xp = x.data_ptr<float>();
-  const float* wp = weight.data_ptr<float>();
+  const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / kWeightRows;
-  const int64_t threads = at::get_num_threads();
-  // one contiguous run of weight rows per thread: each thread's stream is sequential
-  at::parallel_for(0, blocks, (blocks + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) weight_rows<kWeightRows>(xp, wp, yp, M, K, N, i * kWeightRows);
-  });
-  for (int64_t n = blocks * kWeightRows; n < N; ++n) weight_rows<1>(xp, wp, yp, M, K, N, n);
-  if (bias.has_value() && bias->defined()) y.add_(*bias);
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = xp + m * K;
+    float sum = 0.0f;
+    for (int64_t k = 0; k < K; ++k) sum += row[k] * row[k];
+    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(K) + static_cast<float>(eps));
+    for (int64_t k = 0; k < K; ++k) yp[m * K + k] = wp[k] * (row[k] * scale);
+  }
   return y;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
+  m.def("few_rows_linear_cat", &few_rows_linear_cat,
+        "x [M, K] against several weights [N_i, K] (+ biases) at once -> [M, sum N_i], fp32",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"));
+  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2, -1) + eps) over the rows of x [M, K], fp32",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
 }

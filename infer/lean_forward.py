@@ -1,0 +1,167 @@
+"""The target's forward over a verify block, as plain tensor code: Llama-layout targets, fp32, CPU.
+
+A verify step runs the target over a handful of tree nodes. On a 2-core CPU the weights alone take about
+20 ms to stream (SmolLM2-135M: 538 MB), and transformers' forward spends 13-14 ms more around them: ~1,500
+small ops over 30 layers, each dispatched through `nn.Module.__call__`, kwarg-deprecation wrappers and the
+attention interface. Greedy decoding pays that too, once per token; a verify step pays it once per step,
+and on this project's CPU it was the reason a verify over 3 drafted nodes cost 1.2x a greedy step
+(docs/benchmarks.md).
+
+`LeanForward(target)` computes the same function with fewer, larger ops, reading the user's modules'
+weights as they are (nothing is copied, cached or set on them):
+- q/k/v and gate/up each in ONE pass of the streamed kernel (`few_rows_linear_cat`), which writes the
+  projections side by side without a concatenated copy of the weights; o/down/lm_head alone;
+- RMSNorm in the kernel (one call instead of seven ops);
+- rotary from the model's own rotary module (its scaling included), applied to q and k at once;
+- attention by torch's SDPA on the grouped K/V heads as they are, under the tree mask the engine built;
+- K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them.
+Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
+than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
+
+Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, SiLU gated MLP
+without bias, no tensor-parallel split, full attention or one sliding window that the mask already
+carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
+model's own forward as before. Module hooks outside transformers' own output capture also make it stand
+aside (`user_hooks`): a hook on the user's model must see every forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import cpu_linear
+
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
+
+
+@dataclass
+class LeanOutput:
+    logits: torch.Tensor  # [B, N, V]
+    hidden_states: tuple[torch.Tensor, ...] | None  # as transformers': embeddings, then every layer's output
+
+
+def why_not(target) -> str | None:
+    """Why `LeanForward` cannot run `target` (None: it can)."""
+    params = next(target.parameters(), None)
+    if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
+        return "not an fp32 model on CPU"
+    inner = getattr(target, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
+        return f"{type(target).__name__} does not have the Llama module layout"
+    config = target.config
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    if getattr(config, "hidden_act", None) != "silu":
+        return f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"}:
+        return "layers of several attention types"
+    if type(target.get_output_embeddings()) is not nn.Linear or getattr(inner, "embed_scale", None) is not None:
+        return "a non-standard embedding or lm_head"
+    for layer in layers:
+        if type(layer).__name__ not in LAYERS:
+            return f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})"
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
+        if any(type(m) is not nn.Linear or not cpu_linear._plain(m.weight) for m in linears):
+            return "adapted or quantized linear layers"
+        if any(m.bias is not None for m in linears[3:]):
+            return "biases on o_proj or the MLP"
+        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+            return "q/k norms"
+    return None
+
+
+def user_hooks(target) -> bool:
+    """Whether any module of `target` has a forward hook that is not transformers' own output capture."""
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    for m in target.modules():
+        for name in _HOOK_DICTS:
+            for hook in getattr(m, name, {}).values():
+                if not getattr(hook, "__module__", "").startswith("transformers."):
+                    return True
+    return False
+
+
+class LeanForward:
+    """Called like the target on a verify block (the keywords `infer.kv.KVState.forward` passes):
+    input_ids [B, N], a 4D additive attention_mask [B, 1, N, S], position_ids [B, N] and the KV `cache`;
+    returns `LeanOutput`. `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel;
+    `packed`: the engine's `cpu_linear.PackCache` for larger blocks."""
+
+    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
+        problem = why_not(target)
+        if problem is not None:
+            raise ValueError(f"LeanForward cannot run this target: {problem}")
+        self.target, self.stream_rows, self.packed = target, stream_rows, packed
+        self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 else None
+        config = target.config
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @torch.no_grad()
+    def __call__(self, input_ids=None, *, attention_mask, position_ids, cache, inputs_embeds=None,
+                 output_hidden_states: bool = False, logits_to_keep: int = 0, **_):
+        inner = self.target.model
+        x = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        b, n, _ = x.shape
+        cos, sin = inner.rotary_emb(x, position_ids)  # [B, N, head_dim]
+        cos, sin = cos[:, None], sin[:, None]
+        h, kvh, hd = self.heads, self.kv_heads, self.head_dim
+        hidden = [x] if output_hidden_states else None
+        for i, layer in enumerate(inner.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            y = self._norm(x, layer.input_layernorm)
+            qkv = self._linear(y, (attn.q_proj, attn.k_proj, attn.v_proj)).view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
+            qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
+            keys, values = cache.update(qk[:, h:], qkv[:, h + kvh:], i)
+            o = F.scaled_dot_product_attention(qk[:, :h], keys, values, attn_mask=attention_mask,
+                                               scale=attn.scaling, enable_gqa=kvh != h)
+            x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), (attn.o_proj,))
+            gate, up = self._linear(self._norm(x, layer.post_attention_layernorm), (mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
+            x = x + self._linear(F.silu(gate) * up, (mlp.down_proj,))
+            if hidden is not None:
+                hidden.append(x)
+        x = self._norm(x, inner.norm)
+        if hidden is not None:
+            hidden[-1] = x  # transformers' last hidden state is the normed one
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self._linear(x, (self.target.get_output_embeddings(),))
+        return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
+
+    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+        if self.kernel is not None:
+            return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, float(eps)).view(x.shape)
+        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+    def _linear(self, x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> torch.Tensor:
+        """x [B, N, K] through `layers` side by side: [B, N, sum of their out_features]."""
+        rows = x.shape[0] * x.shape[1]
+        flat = x.reshape(rows, x.shape[-1])
+        if (self.kernel is not None and 1 < rows <= self.stream_rows
+                and all(m.weight.is_contiguous() for m in layers)):
+            y = self.kernel.few_rows_linear_cat(flat, [m.weight for m in layers], [m.bias for m in layers])
+        else:
+            if rows > 1 and cpu_linear.available():
+                parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(m.weight), m.bias, "none", [], "")
+                         for m in layers]
+            else:
+                parts = [F.linear(flat, m.weight, m.bias) for m in layers]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return y.view(x.shape[0], x.shape[1], y.shape[-1])

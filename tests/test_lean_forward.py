@@ -1,0 +1,172 @@
+"""The lean verify forward: the model's own function (logits, hidden states, K/V written), used by generate
+wherever it can run, and left to transformers wherever it cannot or a user's hook must see the forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from torch import nn
+
+from infer import SelfSpecModel, cpu_linear, lean_forward
+from infer.kv import KVState, forward_block, prompt_tree
+
+LEAN = ["llama", "qwen2", "mistral"]
+IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+
+
+def _kernel():
+    kernel = cpu_linear.streamed_kernel()
+    if kernel is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    return kernel
+
+
+def _after_prompt(model, prompt, mask):
+    kv = KVState(prompt.shape[0], prompt.device, model.config)
+    depth, ancestors, valid = prompt_tree(mask)
+    forward_block(model, kv, depth, ancestors, valid, input_ids=prompt)
+    kv.commit_block(0, valid)
+    return kv
+
+
+@pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
+@pytest.mark.parametrize("arch", LEAN)
+def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
+    if stream_rows:
+        _kernel()
+    target = tiny_model(arch)
+    lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
+    # two rows, the first left-padded, then a tree block: root, two children of it, a grandchild
+    prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    depth = torch.tensor([[0, 1, 1, 2]] * 2)
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].repeat(2, 1, 1)
+    valid = torch.ones(2, 4, dtype=torch.bool)
+    block = torch.tensor([[11, 12, 13, 14], [15, 16, 17, 18]])
+    outs, caches = [], []
+    with torch.no_grad():
+        for model in (target, lean):
+            kv = _after_prompt(target, prompt, mask)
+            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
+            caches.append(kv.cache)
+    expected, got = outs
+
+    def close(a, b):  # float rounding only: sums run in another order (atol in units of the tensor's scale)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+    close(got.logits, expected.logits)
+    assert len(got.hidden_states) == len(expected.hidden_states) == target.config.num_hidden_layers + 1
+    for h_got, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
+        close(h_got, h_expected)
+    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
+        close(layer_got.keys, layer_expected.keys)
+        close(layer_got.values, layer_expected.values)
+
+
+@pytest.mark.parametrize("arch", LEAN)
+def test_generate_runs_it_and_stays_exact(arch):
+    target = tiny_model(arch)
+    expected = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    for drafter in ("ngram", "int8"):
+        model = SelfSpecModel(target, drafter)
+        assert torch.equal(model.generate(IDS, max_new_tokens=30), expected), drafter
+        assert model.last_stats["verify_forward"] == "lean"
+        assert model.last_stats["target_seconds"] > 0
+
+
+def test_batch_with_padding_stays_exact():
+    target = tiny_model("llama")
+    ids = torch.tensor([[0, 0, 0, 5, 9, 14, 5, 9], [3, 4, 5, 6, 3, 4, 5, 6]])
+    mask = (ids != 0).long()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    model = SelfSpecModel(target, "ngram")
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=24, pad_token_id=0), expected)
+    assert model.last_stats["verify_forward"] == "lean"
+
+
+def test_a_users_hook_sees_every_forward():
+    target = tiny_model("llama")
+    expected = target.generate(IDS, max_new_tokens=20, do_sample=False)
+    model = SelfSpecModel(target, "ngram")
+    calls = []
+    handle = target.model.layers[1].register_forward_hook(lambda *args: calls.append(1))
+    try:
+        assert torch.equal(model.generate(IDS, max_new_tokens=20), expected)
+    finally:
+        handle.remove()
+    assert model.last_stats["verify_forward"] == "transformers"
+    assert len(calls) == model.last_stats["target_forwards"]
+    model.generate(IDS, max_new_tokens=20)  # the hook is gone: lean again
+    assert model.last_stats["verify_forward"] == "lean"
+
+
+def test_transformers_own_capture_hooks_do_not_count():
+    target = tiny_model("llama")
+    target(IDS, output_hidden_states=True)  # transformers leaves its output-capture hooks on the layers
+    assert any(m._forward_hooks for m in target.modules())
+    assert not lean_forward.user_hooks(target)
+
+
+@pytest.mark.parametrize("arch, reason", [("qwen3", "Qwen3DecoderLayer"), ("gemma2", "activation"),
+                                          ("gpt2", "Llama module layout"), ("phi3", "Phi3DecoderLayer")])
+def test_other_targets_are_left_to_transformers(arch, reason):
+    target = tiny_model(arch)
+    assert reason in lean_forward.why_not(target)
+    model = SelfSpecModel(target, "ngram")
+    model.generate(IDS, max_new_tokens=8)
+    assert model.last_stats["verify_forward"] == "transformers"
+    with pytest.raises(ValueError, match=f"lean_verify=True cannot run.*{reason}"):
+        SelfSpecModel(target, "ngram", lean_verify=True)
+
+
+def test_adapted_or_non_cpu_fp32_targets_are_refused_by_why_not():
+    target = tiny_model("llama")
+    assert lean_forward.why_not(target) is None
+    assert "fp32" in lean_forward.why_not(tiny_model("llama").to(torch.bfloat16))
+    adapted = tiny_model("llama")
+    adapted.model.layers[0].self_attn.q_proj = nn.Sequential(adapted.model.layers[0].self_attn.q_proj)
+    assert "adapted or quantized" in lean_forward.why_not(adapted)
+
+
+def test_lean_verify_setting():
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="lean_verify must be True, False or None"):
+        SelfSpecModel(target, "ngram", lean_verify="yes")
+    model = SelfSpecModel(target, "ngram", lean_verify=False)
+    model.generate(IDS, max_new_tokens=8)
+    assert model.last_stats["verify_forward"] == "transformers"
+    with pytest.raises(ValueError, match="cpu_prepack is off"):
+        SelfSpecModel(target, "ngram", cpu_prepack=False, lean_verify=True)
+
+
+def test_the_users_model_is_left_as_it_was():
+    target = tiny_model("llama")
+    before = {name: set(m.__dict__) for name, m in target.named_modules()}
+    SelfSpecModel(target, "ngram").generate(IDS, max_new_tokens=12)
+    assert {name: set(m.__dict__) for name, m in target.named_modules()} == before
+
+
+# ------------------------------------------------------------------------------------ the kernel's pieces
+@pytest.mark.parametrize("rows", [2, 3, 5, 9])
+def test_several_weights_in_one_pass_match_their_linears(rows):
+    kernel = _kernel()
+    torch.manual_seed(rows)
+    layers = [nn.Linear(40, 24, bias=True), nn.Linear(40, 7, bias=False), nn.Linear(40, 13, bias=True)]
+    x = torch.randn(rows, 40)
+    with torch.no_grad():
+        expected = torch.cat([layer(x) for layer in layers], dim=-1)
+        got = kernel.few_rows_linear_cat(x, [m.weight for m in layers], [m.bias for m in layers])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rms_norm_matches_the_models():
+    kernel = _kernel()
+    target = tiny_model("llama")
+    norm = target.model.layers[0].input_layernorm
+    x = torch.randn(5, target.config.hidden_size) * 3
+    with torch.no_grad():
+        torch.testing.assert_close(kernel.rms_norm(x, norm.weight, norm.variance_epsilon), norm(x),
+                                   rtol=1e-5, atol=1e-6)
+    with pytest.raises(RuntimeError, match="rms_norm: weight \\[K\\]"):
+        kernel.rms_norm(x, torch.ones(3), 1e-6)
