@@ -271,7 +271,7 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
     return out
 
 
-def _block_costs(target, model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
+def block_costs(target, model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
     """Median seconds of `model` (the target or its lean forward) on a chain of n new nodes after a
     `context`-token prompt in the engine's KV cache, per n: mask, forward and cache writes, as a verify step
     runs them (each timed `repeats` times after a warm-up, the block rolled back after each)."""
@@ -363,7 +363,7 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
         model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache()) if lean else target
-        costs = _block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
+        costs = block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
     return seconds

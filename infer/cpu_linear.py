@@ -20,7 +20,9 @@ memory floor) but 29-35 ms for 2-8 rows packed, and 22-46 ms with the stock GEMM
 (infer/kernels/few_rows_linear.cpp, compiled on first use with the machine's own instruction set) streams
 each weight row once with software prefetch and takes 21/23/29 ms for 2/4/8 rows there. Which one wins
 is the machine's business, so `prepacked_linears(stream_rows=n)` sends blocks of 2..n rows to it and larger
-ones to oneDNN, and `infer.calibrate.stream_rows` measures n once per machine and target shape.
+ones to oneDNN, and `infer.calibrate.stream_rows` measures n once per machine and target shape. The same
+extension serves `infer.lean_forward`, the verify forward of Llama-layout targets without transformers'
+module machinery, with two more functions (several weights in one pass, RMSNorm).
 """
 
 from __future__ import annotations
@@ -130,12 +132,20 @@ def streamed_kernel():
     Compiled with `-march=native` on first use (about 25 s) into `<selfspec cache>/kernels/`, under a name
     that hashes the source, the CPU's instruction-set flags and the torch version, so another machine or
     torch builds its own."""
+    return build_kernel()
+
+
+def build_kernel(extra_cflags: tuple[str, ...] = ()):
+    """`streamed_kernel`'s build, with `extra_cflags` after `-march=native` (e.g. `-mno-avx512f`: the AVX2
+    code on an AVX-512 machine, as tests build it); cached under a name that hashes them too."""
     from torch.utils.cpp_extension import load
 
     from .embedded import cache_dir
 
     source = KERNEL_SOURCE.read_bytes()
-    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:12]
+    flags = ["-O3", "-march=native", *extra_cflags, "-fopenmp"]
+    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()
+                         + " ".join(flags).encode()).hexdigest()[:12]
     name = f"selfspec_few_rows_{key}"
     folder = cache_dir() / "kernels" / name
     folder.mkdir(parents=True, exist_ok=True)
@@ -144,13 +154,13 @@ def streamed_kernel():
               file=sys.stderr, flush=True)
     try:
         with _ninja_on_path():
-            return load(name, [str(KERNEL_SOURCE)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
-                        extra_ldflags=["-fopenmp"], build_directory=str(folder), verbose=False)
+            return load(name, [str(KERNEL_SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+                        build_directory=str(folder), verbose=False)
     except (OSError, RuntimeError, ImportError, subprocess.CalledProcessError) as err:
         warnings.warn(f"could not build selfspec's streamed CPU kernel ({type(err).__name__}: "
                       f"{str(err).strip().splitlines()[-1] if str(err).strip() else err!r}); verify steps use "
                       "oneDNN's packed GEMM instead. It needs a C++ compiler and ninja (`pip install ninja`).",
-                      stacklevel=2)
+                      stacklevel=3)
         return None
 
 

@@ -114,7 +114,9 @@ class LeanForward:
 
     @torch.no_grad()
     def __call__(self, input_ids=None, *, attention_mask, position_ids, cache, inputs_embeds=None,
-                 output_hidden_states: bool = False, logits_to_keep: int = 0, **_):
+                 output_hidden_states: bool = False, logits_to_keep: int = 0, use_cache: bool = True,
+                 cache_position=None):
+        # use_cache: the block's K/V always go into `cache`; cache_position: the cache's layers place them
         inner = self.target.model
         x = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         b, n, _ = x.shape

@@ -3,8 +3,11 @@
 This is the number speculative decoding lives on: verifying a tree of n drafted tokens costs one forward
 over n tokens, so the speedup is bounded by tau / (cost(n) / cost(1)). The forward runs on top of a KV
 cache of `--context` tokens, as a verification step does mid-generation, once with plain `nn.Linear`, once
-with oneDNN's prepacked weights, and once as SelfSpecModel runs it on CPU: blocks of up to `stream_rows` rows
-on the streamed kernel, larger ones prepacked (infer/cpu_linear.py).
+with oneDNN's prepacked weights, and once as SelfSpecModel ran it on CPU before the lean forward: blocks of
+up to `stream_rows` rows on the streamed kernel, larger ones prepacked (infer/cpu_linear.py). The last two
+columns time a verify block as the engine runs it now, in its own KV cache under its tree mask (what tree
+calibration times): through the model's modules (`lean_verify=False`), and through the lean forward
+(infer/lean_forward.py) where the target takes it.
 
     python scripts/forward_cost.py --target smollm2-135m-instruct --context 256
 """
@@ -19,7 +22,7 @@ import time
 
 import torch
 
-from infer.calibrate import forward_cost, stream_rows  # the timing tree calibration uses; the kernel choice
+from infer.calibrate import block_costs, forward_cost, stream_rows  # timings as calibration runs them
 
 
 def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:
@@ -76,6 +79,15 @@ def main(argv=None) -> None:
     if rows:
         with cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
             columns[f"streamed<={rows}"] = forward_cost(model, args.context, args.sizes, args.repeats)
+        from infer.engine import _generation_mode
+        from infer.lean_forward import LeanForward, why_not
+
+        # as generate runs it: its attention switch (infer/gqa_attention.py), the kernel choice, its cache
+        with _generation_mode(model), cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
+            columns["engine, modules"] = block_costs(model, model, args.context, args.sizes, args.repeats)
+            if why_not(model) is None:
+                lean = LeanForward(model, rows, cpu_linear.PackCache())
+                columns["engine, lean"] = block_costs(model, lean, args.context, args.sizes, args.repeats)
     if args.static:
         columns["static"] = static_forward_cost(model, args.context, args.sizes, args.repeats)
         columns["static compiled"] = static_forward_cost(model, args.context, args.sizes, args.repeats, compiled=True)

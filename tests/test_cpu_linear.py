@@ -151,3 +151,21 @@ def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
     model = SelfSpecModel(target, "ngram", lean_verify=False)  # the model's own linears, patched
     assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
     assert calls  # verify blocks ran on it
+
+
+def test_the_avx2_code_matches_plain_linear_too():
+    """The kernel keeps a narrower tile without AVX-512 (16 vector registers, not 32). On an AVX-512 machine
+    that code is built with -mno-avx512f and checked here; elsewhere the native build is that code."""
+    if "avx512f" not in cpu_linear._cpu_flags().split():
+        pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
+    kernel = cpu_linear.build_kernel(("-mno-avx512f",))
+    if kernel is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    torch.manual_seed(0)
+    layers = [nn.Linear(40, 24, bias=True), nn.Linear(40, 7, bias=False)]
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 40)
+        with torch.no_grad():
+            expected = torch.cat([layer(x) for layer in layers], dim=-1)
+            got = kernel.few_rows_linear_cat(x, [m.weight for m in layers], [m.bias for m in layers])
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
