@@ -272,15 +272,20 @@ class KVState:
         """
         index = start + slots
         width = slots.shape[1]
+        # The kept slots often are the block's first ones already (the root, then its first child, ...):
+        # nothing to move then, only the rest to drop.
+        in_place = bool((slots == torch.arange(width, device=slots.device)).all())
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue
             for name in ("keys", "values"):
                 t = getattr(layer, name)  # [B, H, S, D]
-                t[:, :, start:start + width] = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
+                if not in_place:
+                    t[:, :, start:start + width] = t.gather(2, index[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[3]))
                 if not self.static:  # a static layer keeps its whole buffer; its counter says what is in use
                     setattr(layer, name, t[:, :, :start + width])
-        self._pos[:, start:start + width] = self._pos.gather(1, index)
+        if not in_place:
+            self._pos[:, start:start + width] = self._pos.gather(1, index)
         self._valid[:, start:start + width] = keep
         self._size = start + width
         self.length = self.valid.sum(1)

@@ -524,3 +524,30 @@ def test_scored_nodes_through_lookup_first():
         assert torch.equal(valid[~sees_tree], proposed[~sees_tree]) and not (valid & ~proposed).any()
         if make is not chain_and_sibling:
             assert (proposed & sees_tree & ~valid).any()  # some row took the chain
+
+
+@pytest.mark.parametrize("path", [[0, 1], [0, 2], [0]], ids=["first-child", "second-child", "root-only"])
+def test_commit_keeps_exactly_the_accepted_path(path):
+    """A commit keeps the accepted path's K/V at the block's start, moved there when it is not already the
+    block's first slots, and drops the rest: the cache then equals a plain forward over the kept tokens."""
+    from infer.kv import KVState, forward_block, prompt_tree
+
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 14, 22, 31]])
+    tokens = torch.tensor([[40, 41, 42]])  # root 40 with children 41 and 42
+    kv = KVState(1, ids.device, target.config)
+    with torch.no_grad():
+        depth, ancestors, valid = prompt_tree(torch.ones_like(ids))
+        forward_block(target, kv, depth, ancestors, valid, input_ids=ids)
+        kv.commit_block(0, valid)
+        start = kv.size
+        forward_block(target, kv, torch.tensor([[0, 1, 1]]),
+                      torch.tensor([[[1, 0, 0], [1, 1, 0], [1, 0, 1]]], dtype=torch.bool),
+                      torch.ones_like(tokens, dtype=torch.bool), input_ids=tokens)
+        kv.commit(start, torch.tensor([path]), torch.ones(1, len(path), dtype=torch.bool))
+        kept = torch.cat([ids, tokens[:, path]], dim=1)
+        reference = target(kept, use_cache=True)
+    assert kv.size == kept.shape[1] and kv.pos[0].tolist() == list(range(kept.shape[1]))
+    for layer, ref in zip(kv.cache.layers, reference.past_key_values.layers, strict=True):
+        torch.testing.assert_close(layer.keys, ref.keys)
+        torch.testing.assert_close(layer.values, ref.values)
