@@ -18,8 +18,8 @@ weights as they are (nothing is copied, cached or set on them):
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
 
-Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, SiLU gated MLP
-without bias, no tensor-parallel split, full attention or one sliding window that the mask already
+Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, a SiLU gated
+MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
 carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
 model's own forward as before. Module hooks outside transformers' own output capture also make it stand
 aside (`user_hooks`): a hook on the user's model must see every forward.
@@ -70,8 +70,6 @@ def why_not(target) -> str | None:
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
         if any(type(m) is not nn.Linear or not cpu_linear._plain(m.weight) for m in linears):
             return "adapted or quantized linear layers"
-        if any(m.bias is not None for m in linears[3:]):
-            return "biases on o_proj or the MLP"
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
             return "q/k norms"
     return None

@@ -31,11 +31,17 @@ def _after_prompt(model, prompt, mask):
 
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
-@pytest.mark.parametrize("arch", LEAN)
+@pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
 def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
     if stream_rows:
         _kernel()
-    target = tiny_model(arch)
+    target = tiny_model("llama", attention_bias=True, mlp_bias=True) if arch == "llama-biases" else tiny_model(arch)
+    if arch == "llama-biases":  # every linear has a bias, random (transformers initializes them to 0)
+        biases = [m.bias for m in target.model.layers.modules() if isinstance(m, nn.Linear)]
+        assert len(biases) == 7 * target.config.num_hidden_layers and all(b is not None for b in biases)
+        with torch.no_grad():
+            for b in biases:
+                b.normal_(0, 0.5)
     lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
     # two rows, the first left-padded, then a tree block: root, two children of it, a grandchild
     prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
