@@ -216,7 +216,14 @@ class SelfSpecModel:
         draft-model and self-drafters: `bf16`, `int8`, `int4`, `early_exit`, ...), and with `static_cache`
         the target's verify forward too (one graph per bucket; CUDA graphs on a GPU). The first generate pays
         the compiles. A compiler failure falls back to eager with one warning. On this project's CPU the
-        compiled verify did not pay (docs/benchmarks.md)."""
+        compiled verify did not pay (docs/benchmarks.md).
+
+        `lean_verify`: run the target's verify forwards as `infer.lean_forward.LeanForward` computes them
+        (the same function in fewer, larger ops, on the user's weights as they are) instead of through the
+        model's modules. None = wherever it can: with `cpu_prepack` on a Llama-layout target
+        (`lean_forward.why_not`, checked again at every call), not compiled, and no forward hook of the
+        user's on the target at the call (hooks then see every forward). True where it cannot is an error;
+        False = never. `last_stats["verify_forward"]` says which ran."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
@@ -331,7 +338,9 @@ class SelfSpecModel:
         try:
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            self._lean_now = self._lean is not None and not lean_forward.user_hooks(self.target)
+            # checked per call: the user may have added a hook or adapted a layer since (LoRA, quantization)
+            self._lean_now = (self._lean is not None and lean_forward.why_not(self.target) is None
+                              and not lean_forward.user_hooks(self.target))
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):

@@ -107,6 +107,17 @@ def test_a_users_hook_sees_every_forward():
     assert model.last_stats["verify_forward"] == "lean"
 
 
+def test_a_layer_adapted_after_construction_goes_back_to_the_modules():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, "ngram")
+    attn = target.model.layers[2].self_attn
+    with torch.no_grad():  # an adapter-like wrapper that changes the layer's output
+        attn.q_proj = nn.Sequential(attn.q_proj, nn.Tanh())
+    expected = target.generate(IDS, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=20), expected)
+    assert model.last_stats["verify_forward"] == "transformers"
+
+
 def test_transformers_own_capture_hooks_do_not_count():
     target = tiny_model("llama")
     target(IDS, output_hidden_states=True)  # transformers leaves its output-capture hooks on the layers
