@@ -288,15 +288,8 @@ def block_costs(target, model, context: int, sizes: list[int], repeats: int) -> 
         for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
             depth, ancestors, valid = prompt_tree(torch.ones_like(ids))
-            times = []
-            for _ in range(repeats + 1):  # the first run is a warm-up
-                _sync(device)
-                tic = time.perf_counter()
-                forward_block(model, kv, depth, ancestors, valid, input_ids=ids)
-                _sync(device)
-                times.append(time.perf_counter() - tic)
-                kv.rollback(start)
-            out[n] = statistics.median(times[1:])
+            out[n] = _median_seconds(lambda: forward_block(model, kv, depth, ancestors, valid, input_ids=ids),  # noqa: B023 -- run in this iteration
+                                     repeats, device, after=lambda: kv.rollback(start))
     return out
 
 
@@ -554,7 +547,8 @@ def _draft_key(tree: dict) -> str:
     return json.dumps({k: v for k, v in tree.items() if k != "total_tokens"}, sort_keys=True)
 
 
-def _median_seconds(fn, repeats: int, device: torch.device) -> float:
+def _median_seconds(fn, repeats: int, device: torch.device, after=None) -> float:
+    """Median seconds of `fn()` over `repeats` runs after a warm-up; `after()`, untimed, follows each run."""
     times = []
     for _ in range(repeats + 1):  # the first run is a warm-up
         _sync(device)
@@ -562,6 +556,8 @@ def _median_seconds(fn, repeats: int, device: torch.device) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - tic)
+        if after is not None:
+            after()
     return statistics.median(times[1:])
 
 

@@ -113,31 +113,32 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
   TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
   const torch::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
-  // work items: (weight, first row, rows) in blocks of kWeightRows, tails of 1 row
-  struct Item { int64_t weight, row, rows, column; };
-  std::vector<Item> items;
-  std::vector<int64_t> column(weights.size());
+  // Work items, numbered across the weights: each weight's blocks of kWeightRows rows, then its tail rows one
+  // by one. first[i] is the number of weight i's first item, column[i] its first output column.
+  const size_t count = weights.size();
+  std::vector<int64_t> first(count + 1, 0), column(count, 0);
   int64_t width = 0;
-  for (size_t i = 0; i < weights.size(); ++i) {
+  for (size_t i = 0; i < count; ++i) {
     check_weight(weights[i], K, "few_rows_linear");
     const int64_t N = weights[i].size(0);
+    first[i + 1] = first[i] + N / kWeightRows + N % kWeightRows;
     column[i] = width;
-    for (int64_t n = 0; n + kWeightRows <= N; n += kWeightRows) items.push_back({int64_t(i), n, kWeightRows, width});
-    for (int64_t n = N / kWeightRows * kWeightRows; n < N; ++n) items.push_back({int64_t(i), n, 1, width});
     width += N;
   }
   torch::Tensor y = torch::empty({M, width}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t items = first[count];
   const int64_t threads = at::get_num_threads();
-  // one contiguous run of weight rows per thread: each thread's stream is sequential
-  at::parallel_for(0, count, (count + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+  // one contiguous run of items per thread: each thread's stream of weight rows is sequential
+  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    size_t i = 0;
     for (int64_t j = begin; j < end; ++j) {
-      const Item& it = items[j];
-      const float* wp = weights[it.weight].data_ptr<float>();
-      if (it.rows == kWeightRows) weight_rows<kWeightRows>(xp, wp, yp + it.column, M, K, width, it.row);
-      else weight_rows<1>(xp, wp, yp + it.column, M, K, width, it.row);
+      while (j >= first[i + 1]) ++i;
+      const float* wp = weights[i].data_ptr<float>();
+      const int64_t blocks = weights[i].size(0) / kWeightRows, local = j - first[i];
+      if (local < blocks) weight_rows<kWeightRows>(xp, wp, yp + column[i], M, K, width, local * kWeightRows);
+      else weight_rows<1>(xp, wp, yp + column[i], M, K, width, blocks * kWeightRows + (local - blocks));
     }
   });
   for (size_t i = 0; i < biases.size(); ++i) {
