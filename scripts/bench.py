@@ -386,49 +386,46 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     mismatches = [{"question_id": rec["question_id"], "turn": rec["turn"], "method": name,
                    "engine": engines[name], "first_differing_token": None}
                   for rec in done for name, r in rec["results"].items() if not r["matches_baseline"]]
-    try:
-        with torch.inference_mode():
-            if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
-                ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
-                reference = None
-                for m in tqdm(methods, desc="warm-up", disable=not progress):
-                    if m.before is not None:
-                        m.before(reference)
-                    out, _ = m.run(ids, min(max_new_tokens, 32))
-                    if reference is None:  # methods[0], the baseline
-                        reference = _new_tokens(out, ids.shape[1], eos)
-                    if m.reset is not None:  # the warm-up answer must not help the first question
-                        m.reset()
-            work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn
-                    for t in range(min(turns, len(q["turns"])))]
-            for p, q, turn in tqdm(work, desc="bench", disable=not progress):
-                key, was_measured = (p, q["question_id"]), (p + 1, q["question_id"], turn + 1) in measured
-                if was_measured and turn + 1 == min(turns, len(q["turns"])):  # no later turn needs its reply
-                    continue
-                messages = history.get(key, []) + [{"role": "user", "content": q["turns"][turn]}]
-                ids = render(tokenizer, messages).to(target.device)
-                if turn + 1 < timed_from_turn or was_measured:
-                    # history only: the reference's reply, untimed
-                    out, _ = methods[0].run(ids, max_new_tokens)
-                    reply = tokenizer.decode(_new_tokens(out, ids.shape[1], eos), skip_special_tokens=True)
-                    history[key] = messages + [{"role": "assistant", "content": reply}]
-                    continue
-                results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
-                for name in results:
-                    results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
-                    if not results[name]["matches_baseline"]:
-                        mismatches.append({"question_id": q["question_id"], "turn": turn + 1, "method": name,
-                                           "engine": engines[name],
-                                           "first_differing_token": _first_difference(outputs[name],
-                                                                                      outputs[BASELINE])})
-                records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
-                                "pass": p + 1, "prompt_tokens": ids.shape[1], "results": results})
-                if on_record is not None:
-                    on_record(records[-1])
-                reply = tokenizer.decode(outputs[BASELINE], skip_special_tokens=True)
+    with torch.inference_mode():
+        if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
+            ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
+            reference = None
+            for m in tqdm(methods, desc="warm-up", disable=not progress):
+                if m.before is not None:
+                    m.before(reference)
+                out, _ = m.run(ids, min(max_new_tokens, 32))
+                if reference is None:  # methods[0], the baseline
+                    reference = _new_tokens(out, ids.shape[1], eos)
+                if m.reset is not None:  # the warm-up answer must not help the first question
+                    m.reset()
+        work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn
+                for t in range(min(turns, len(q["turns"])))]
+        for p, q, turn in tqdm(work, desc="bench", disable=not progress):
+            key, was_measured = (p, q["question_id"]), (p + 1, q["question_id"], turn + 1) in measured
+            if was_measured and turn + 1 == min(turns, len(q["turns"])):  # no later turn needs its reply
+                continue
+            messages = history.get(key, []) + [{"role": "user", "content": q["turns"][turn]}]
+            ids = render(tokenizer, messages).to(target.device)
+            if turn + 1 < timed_from_turn or was_measured:
+                # history only: the reference's reply, untimed
+                out, _ = methods[0].run(ids, max_new_tokens)
+                reply = tokenizer.decode(_new_tokens(out, ids.shape[1], eos), skip_special_tokens=True)
                 history[key] = messages + [{"role": "assistant", "content": reply}]
-    finally:
-        counter.remove()
+                continue
+            results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
+            for name in results:
+                results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
+                if not results[name]["matches_baseline"]:
+                    mismatches.append({"question_id": q["question_id"], "turn": turn + 1, "method": name,
+                                       "engine": engines[name],
+                                       "first_differing_token": _first_difference(outputs[name],
+                                                                                  outputs[BASELINE])})
+            records.append({"question_id": q["question_id"], "category": q["category"], "turn": turn + 1,
+                            "pass": p + 1, "prompt_tokens": ids.shape[1], "results": results})
+            if on_record is not None:
+                on_record(records[-1])
+            reply = tokenizer.decode(outputs[BASELINE], skip_special_tokens=True)
+            history[key] = messages + [{"role": "assistant", "content": reply}]
     names = [m.name for m in methods]
     ideals = {m.name: m.ideal_tokens_per_step for m in methods if m.ideal_tokens_per_step is not None}
     return {"methods": names, "engines": engines, "questions": records, "mismatches": mismatches,
