@@ -261,7 +261,8 @@ class SelfSpecModel:
             from .calibrate import stream_rows
 
             self._stream_rows = stream_rows(self.target)
-        self._lean = None  # the verify forward without transformers' module machinery, where it can run
+        # the verify forward without transformers' module machinery, where it can run
+        self._lean_verify = False
         if lean_verify is not None and not isinstance(lean_verify, bool):
             raise ValueError(f"lean_verify must be True, False or None, got {lean_verify!r}")
         if lean_verify is not False:
@@ -269,11 +270,11 @@ class SelfSpecModel:
             if problem is None and self._verify_forward is not None:
                 problem = "the verify forward is compiled (compile=True with static_cache)"
             if problem is None:
-                self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
+                self._lean_verify = True
             elif lean_verify:
                 raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
                                  "to use it where it can, or False")
-        self._lean_now = False  # this call's choice: no user hook on the target when it began
+        self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 
@@ -338,15 +339,18 @@ class SelfSpecModel:
         try:
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            # checked per call: the user may have added a hook or adapted a layer since (LoRA, quantization)
-            self._lean_now = (self._lean is not None and lean_forward.why_not(self.target) is None
-                              and not lean_forward.user_hooks(self.target))
+            # made per call: the user may have added a hook, adapted a layer (LoRA, quantization) or swapped a
+            # weight since the last one
+            if (self._lean_verify and lean_forward.why_not(self.target) is None
+                    and not lean_forward.user_hooks(self.target)):
+                self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
                 return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
                                       top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
         finally:
+            self._lean = None  # it holds the target's tensors: nothing of the call outlives it
             self._busy.release()
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
@@ -356,7 +360,7 @@ class SelfSpecModel:
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
         kv = self._new_cache(input_ids, settings.max_new_tokens)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
-                 "target_seconds": 0.0, "verify_forward": "lean" if self._lean_now else "transformers"}
+                 "target_seconds": 0.0, "verify_forward": "lean" if self._lean is not None else "transformers"}
         self._target_seconds = 0.0
         rows = self._start_rows(attention_mask, settings.max_new_tokens)
         if streamer is not None:
@@ -471,7 +475,7 @@ class SelfSpecModel:
                               f"{str(err)[:200]}); verifying goes on without compiling", stacklevel=4)
                 self._verify_forward = None
                 kv.rollback(size)
-        model = self._lean if self._lean_now else self.target
+        model = self._lean if self._lean is not None else self.target
         return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
 
     def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:

@@ -8,11 +8,13 @@ and on this project's CPU it was the reason a verify over 3 drafted nodes cost 1
 (docs/benchmarks.md).
 
 `LeanForward(target)` computes the same function with fewer, larger ops, reading the user's modules'
-weights as they are (nothing is copied, cached or set on them):
+weights as they are (nothing is copied or set on them; it holds references to their tensors, read once when
+it is made, so the engine makes one per generate call):
 - q/k/v and gate/up each in ONE pass of the streamed kernel (`few_rows_linear_cat`), which writes the
   projections side by side without a concatenated copy of the weights; o/down/lm_head alone;
 - RMSNorm in the kernel (one call instead of seven ops);
-- rotary from the model's own rotary module (its scaling included), applied to q and k at once;
+- rotary from the model's own rotary module (its scaling included), applied to q and k in place in the
+  q/k/v projection's output by the kernel (`rope_`), one call per layer instead of seven ops;
 - attention by torch's SDPA on the grouped K/V heads as they are, under the tree mask the engine built;
 - K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them.
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
@@ -45,33 +47,82 @@ class LeanOutput:
     hidden_states: tuple[torch.Tensor, ...] | None  # as transformers': embeddings, then every layer's output
 
 
-def why_not(target) -> str | None:
-    """Why `LeanForward` cannot run `target` (None: it can)."""
+@dataclass(frozen=True)
+class _Linears:
+    """Weights (and biases) that share an input and write side by side: q/k/v, gate/up, or one alone."""
+
+    weights: tuple[torch.Tensor, ...]
+    biases: tuple[torch.Tensor | None, ...]
+    streamable: bool  # every weight contiguous: the streamed kernel can read it as it is
+
+    @classmethod
+    def of(cls, *linears: nn.Linear) -> _Linears:
+        weights = tuple(m.weight for m in linears)
+        return cls(weights, tuple(m.bias for m in linears), all(w.is_contiguous() for w in weights))
+
+
+@dataclass(frozen=True)
+class _Layer:
+    """What one decoder layer's forward reads: the user's tensors themselves, no copies."""
+
+    input_norm: tuple[torch.Tensor, float]  # (weight, eps)
+    qkv: _Linears
+    o: _Linears
+    post_norm: tuple[torch.Tensor, float]
+    gate_up: _Linears
+    down: _Linears
+    scaling: float
+
+
+class _Unsupported(Exception):
+    pass
+
+
+def _norm_of(norm: nn.Module) -> tuple[torch.Tensor, float]:
+    return norm.weight, float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
+
+
+def _read(target) -> list[_Layer]:
+    """The target's layers as `_Layer`s, or `_Unsupported` saying why `LeanForward` cannot run it."""
     params = next(target.parameters(), None)
     if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
-        return "not an fp32 model on CPU"
+        raise _Unsupported("not an fp32 model on CPU")
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
-        return f"{type(target).__name__} does not have the Llama module layout"
+        raise _Unsupported(f"{type(target).__name__} does not have the Llama module layout")
     config = target.config
     if getattr(config, "pretraining_tp", 1) != 1:
-        return "pretraining_tp > 1"
+        raise _Unsupported("pretraining_tp > 1")
     if getattr(config, "hidden_act", None) != "silu":
-        return f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)"
+        raise _Unsupported(f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"}:
-        return "layers of several attention types"
+        raise _Unsupported("layers of several attention types")
     if type(target.get_output_embeddings()) is not nn.Linear or getattr(inner, "embed_scale", None) is not None:
-        return "a non-standard embedding or lm_head"
+        raise _Unsupported("a non-standard embedding or lm_head")
+    out = []
     for layer in layers:
         if type(layer).__name__ not in LAYERS:
-            return f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})"
+            raise _Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
         attn, mlp = layer.self_attn, layer.mlp
-        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj]
-        if any(type(m) is not nn.Linear or not cpu_linear._plain(m.weight) for m in linears):
-            return "adapted or quantized linear layers"
+        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        if any(type(m) is not nn.Linear or not cpu_linear._plain(m.weight) for m in (q, k, v, o, gate, up, down)):
+            raise _Unsupported("adapted or quantized linear layers")
         if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            return "q/k norms"
+            raise _Unsupported("q/k norms")
+        out.append(_Layer(_norm_of(layer.input_layernorm), _Linears.of(q, k, v), _Linears.of(o),
+                          _norm_of(layer.post_attention_layernorm), _Linears.of(gate, up), _Linears.of(down),
+                          float(attn.scaling)))
+    return out
+
+
+def why_not(target) -> str | None:
+    """Why `LeanForward` cannot run `target` (None: it can)."""
+    try:
+        _read(target)
+    except _Unsupported as reason:
+        return str(reason)
     return None
 
 
@@ -93,14 +144,21 @@ class LeanForward:
     """Called like the target on a verify block (the keywords `infer.kv.KVState.forward` passes):
     input_ids [B, N], a 4D additive attention_mask [B, 1, N, S], position_ids [B, N] and the KV `cache`;
     returns `LeanOutput`. `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel;
-    `packed`: the engine's `cpu_linear.PackCache` for larger blocks."""
+    `packed`: the engine's `cpu_linear.PackCache` for larger blocks.
+
+    The layers' tensors are read from the modules once, when it is made (a per-layer list of references,
+    not copies): make a new one when the model may have changed, as the engine does at every call."""
 
     def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
-        problem = why_not(target)
-        if problem is not None:
-            raise ValueError(f"LeanForward cannot run this target: {problem}")
+        try:
+            self.layers = _read(target)
+        except _Unsupported as reason:
+            raise ValueError(f"LeanForward cannot run this target: {reason}") from None
         self.target, self.stream_rows, self.packed = target, stream_rows, packed
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 else None
+        inner = target.model
+        self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, _norm_of(inner.norm)
+        self.lm_head = _Linears.of(target.get_output_embeddings())
         config = target.config
         self.heads = config.num_attention_heads
         self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
@@ -115,53 +173,60 @@ class LeanForward:
                  output_hidden_states: bool = False, logits_to_keep: int = 0, use_cache: bool = True,
                  cache_position=None):
         # use_cache: the block's K/V always go into `cache`; cache_position: the cache's layers place them
-        inner = self.target.model
-        x = inner.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         b, n, _ = x.shape
-        cos, sin = inner.rotary_emb(x, position_ids)  # [B, N, head_dim]
-        cos, sin = cos[:, None], sin[:, None]
         h, kvh, hd = self.heads, self.kv_heads, self.head_dim
+        cos, sin = self.rotary(x, position_ids)  # [B, N, head_dim]
+        kernel = self.kernel
+        if kernel is not None:
+            cos, sin = cos.reshape(b * n, hd), sin.reshape(b * n, hd)
+        else:
+            cos, sin = cos[:, None], sin[:, None]
         hidden = [x] if output_hidden_states else None
-        for i, layer in enumerate(inner.layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            y = self._norm(x, layer.input_layernorm)
-            qkv = self._linear(y, (attn.q_proj, attn.k_proj, attn.v_proj)).view(b, n, h + 2 * kvh, hd).transpose(1, 2)
-            qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
-            qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
-            keys, values = cache.update(qk[:, h:], qkv[:, h + kvh:], i)
-            o = F.scaled_dot_product_attention(qk[:, :h], keys, values, attn_mask=attention_mask,
-                                               scale=attn.scaling, enable_gqa=kvh != h)
-            x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), (attn.o_proj,))
-            gate, up = self._linear(self._norm(x, layer.post_attention_layernorm), (mlp.gate_proj, mlp.up_proj)).chunk(2, -1)
-            x = x + self._linear(F.silu(gate) * up, (mlp.down_proj,))
+        for i, layer in enumerate(self.layers):
+            qkv = self._linear(self._norm(x, layer.input_norm), layer.qkv)  # [B, N, (H + 2 KVH) D]
+            if kernel is not None:  # rotate q and k in place, in the projection's own layout
+                kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
+                qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+                q, k = qkv[:, :h], qkv[:, h:h + kvh]
+            else:
+                qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+                qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
+                qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
+                q, k = qk[:, :h], qk[:, h:]
+            keys, values = cache.update(k, qkv[:, h + kvh:], i)
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=layer.scaling,
+                                               enable_gqa=kvh != h)
+            x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), layer.o)
+            gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
+            x = x + self._linear(F.silu(gate) * up, layer.down)
             if hidden is not None:
                 hidden.append(x)
-        x = self._norm(x, inner.norm)
+        x = self._norm(x, self.final_norm)
         if hidden is not None:
             hidden[-1] = x  # transformers' last hidden state is the normed one
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self._linear(x, (self.target.get_output_embeddings(),))
+        logits = self._linear(x, self.lm_head)
         return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
 
-    def _norm(self, x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-        eps = getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6)
+    def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+        weight, eps = norm
         if self.kernel is not None:
-            return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), norm.weight, float(eps)).view(x.shape)
-        return norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+            return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
-    def _linear(self, x: torch.Tensor, layers: tuple[nn.Linear, ...]) -> torch.Tensor:
-        """x [B, N, K] through `layers` side by side: [B, N, sum of their out_features]."""
+    def _linear(self, x: torch.Tensor, linears: _Linears) -> torch.Tensor:
+        """x [B, N, K] through `linears` side by side: [B, N, sum of their out_features]."""
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
-        if (self.kernel is not None and 1 < rows <= self.stream_rows
-                and all(m.weight.is_contiguous() for m in layers)):
-            y = self.kernel.few_rows_linear_cat(flat, [m.weight for m in layers], [m.bias for m in layers])
+        if self.kernel is not None and 1 < rows <= self.stream_rows and linears.streamable:
+            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases)
         else:
             if rows > 1 and cpu_linear.available():
-                parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(m.weight), m.bias, "none", [], "")
-                         for m in layers]
+                parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(w), bias, "none", [], "")
+                         for w, bias in zip(linears.weights, linears.biases, strict=True)]
             else:
-                parts = [F.linear(flat, m.weight, m.bias) for m in layers]
+                parts = [F.linear(flat, w, bias) for w, bias in zip(linears.weights, linears.biases, strict=True)]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.view(x.shape[0], x.shape[1], y.shape[-1])

@@ -118,6 +118,18 @@ def test_a_layer_adapted_after_construction_goes_back_to_the_modules():
     assert model.last_stats["verify_forward"] == "transformers"
 
 
+def test_a_weight_replaced_after_construction_is_the_one_used():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, "ngram")
+    model.generate(IDS, max_new_tokens=8)
+    mlp = target.model.layers[1].mlp
+    with torch.no_grad():  # a new tensor, not an in-place copy: the last call's references are stale
+        mlp.down_proj.weight = nn.Parameter(mlp.down_proj.weight * -3)
+    expected = target.generate(IDS, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=20), expected)
+    assert model.last_stats["verify_forward"] == "lean"
+
+
 def test_transformers_own_capture_hooks_do_not_count():
     target = tiny_model("llama")
     target(IDS, output_hidden_states=True)  # transformers leaves its output-capture hooks on the layers
@@ -187,3 +199,28 @@ def test_rms_norm_matches_the_models():
                                    rtol=1e-5, atol=1e-6)
     with pytest.raises(RuntimeError, match="rms_norm: weight \\[K\\]"):
         kernel.rms_norm(x, torch.ones(3), 1e-6)
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+def test_rope_in_place_matches_the_models(rows):
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    kernel = _kernel()
+    target = tiny_model("llama")
+    config = target.config
+    h, kvh = config.num_attention_heads, config.num_key_value_heads
+    hd = config.hidden_size // h
+    torch.manual_seed(rows)
+    qkv = torch.randn(rows, (h + 2 * kvh) * hd)
+    position_ids = torch.arange(7, 7 + rows)[None]
+    cos, sin = target.model.rotary_emb(qkv[None], position_ids)  # [1, rows, hd]
+    heads = qkv.view(1, rows, h + 2 * kvh, hd).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(heads[:, :h], heads[:, h:h + kvh], cos, sin)
+    v = heads[:, h + kvh:].clone()
+    kernel.rope_(qkv, cos[0], sin[0], h + kvh)
+    got = qkv.view(1, rows, h + 2 * kvh, hd).transpose(1, 2)
+    torch.testing.assert_close(got[:, :h], q, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got[:, h:h + kvh], k, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[:, h + kvh:], v)  # values are not rotated
+    with pytest.raises(RuntimeError, match="do not fit"):
+        kernel.rope_(qkv, cos[0], sin[0], h + 2 * kvh + 1)

@@ -11,8 +11,9 @@
 // BLAS, so results differ from F.linear by float rounding only.
 //
 // `few_rows_linear_cat` runs several weights sharing an input in one pass (q/k/v, gate/up), writing their
-// outputs side by side; `rms_norm` is the Llama-family RMSNorm on the rows of a block. Both serve the lean
-// verify forward (infer/lean_forward.py).
+// outputs side by side; `rms_norm` is the Llama-family RMSNorm on the rows of a block, and `rope_` the rotary
+// embedding applied in place to q and k in that side-by-side output. They serve the lean verify forward
+// (infer/lean_forward.py).
 
 #include <torch/extension.h>
 
@@ -177,6 +178,35 @@ torch::Tensor rms_norm(const torch::Tensor& x_in, const torch::Tensor& weight, d
   return y;
 }
 
+// Rotary position embedding, in place, on the first `heads` heads of each row of a fused q/k/v projection,
+// as Llama-family models apply it: x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1).
+// qkv: [M, (any) * D] fp32 contiguous, cos/sin: [M, D] fp32 (the model's rotary module's output).
+void rope_(torch::Tensor& qkv, const torch::Tensor& cos_in, const torch::Tensor& sin_in, int64_t heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.is_contiguous(),
+              "rope_: qkv [M, width] float32 contiguous expected");
+  TORCH_CHECK(cos_in.dim() == 2 && cos_in.sizes() == sin_in.sizes() && cos_in.size(0) == qkv.size(0) &&
+              cos_in.scalar_type() == torch::kFloat && sin_in.scalar_type() == torch::kFloat,
+              "rope_: cos and sin [M, D] float32 expected");
+  const torch::Tensor cos = cos_in.contiguous(), sin = sin_in.contiguous();
+  const int64_t M = qkv.size(0), width = qkv.size(1), D = cos.size(1), half = D / 2;
+  TORCH_CHECK(D % 2 == 0 && heads * D <= width, "rope_: ", heads, " heads of ", D, " do not fit in ", width);
+  float* xp = qkv.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    const float* c = cp + m * D;
+    const float* s = sp + m * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* x = xp + m * width + h * D;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = x[i], x2 = x[i + half];
+        x[i] = x1 * c[i] - x2 * s[i];
+        x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+      }
+    }
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
@@ -185,4 +215,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"));
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2, -1) + eps) over the rows of x [M, K], fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
+  m.def("rope_", &rope_, "rotary embedding in place on the first `heads` heads of qkv [M, width], fp32",
+        pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("heads"));
 }
