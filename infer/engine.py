@@ -223,7 +223,9 @@ class SelfSpecModel:
         model's modules. None = wherever it can: with `cpu_prepack` on a Llama-layout target
         (`lean_forward.why_not`, checked again at every call), not compiled, and no forward hook of the
         user's on the target at the call (hooks then see every forward). True where it cannot is an error;
-        False = never. `last_stats["verify_forward"]` says which ran."""
+        False = never. `last_stats["verify_forward"]` says which ran. Unless False, an EAGLE-3 drafter's
+        forwards run the same way where they can (`lean_forward.LeanEagle3`: widened q/k/v over a Llama-layout
+        layer, fp32 on CPU, no hook of the user's on the drafter)."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
@@ -275,6 +277,9 @@ class SelfSpecModel:
                 raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
                                  "to use it where it can, or False")
         self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
+        own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
+        if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
+            own.lean_forwards(self._stream_rows if lean_verify is not False and self.cpu_prepack else None)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 

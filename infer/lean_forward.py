@@ -71,6 +71,9 @@ class _Layer:
     post_norm: tuple[torch.Tensor, float]
     gate_up: _Linears
     down: _Linears
+    heads: int
+    kv_heads: int
+    head_dim: int
     scaling: float
 
 
@@ -82,11 +85,36 @@ def _norm_of(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight, float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
 
 
-def _read(target) -> list[_Layer]:
-    """The target's layers as `_Layer`s, or `_Unsupported` saying why `LeanForward` cannot run it."""
-    params = next(target.parameters(), None)
+def _plain_linear(module: nn.Module) -> bool:
+    return type(module) is nn.Linear and cpu_linear._plain(module.weight)
+
+
+def _read_layer(layer: nn.Module) -> _Layer:
+    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `_Unsupported`."""
+    if type(layer).__name__ not in LAYERS:
+        raise _Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
+    attn, mlp = layer.self_attn, layer.mlp
+    q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    if not all(_plain_linear(m) for m in (q, k, v, o, gate, up, down)):
+        raise _Unsupported("adapted or quantized linear layers")
+    if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
+        raise _Unsupported("q/k norms")
+    head_dim = attn.head_dim
+    return _Layer(_norm_of(layer.input_layernorm), _Linears.of(q, k, v), _Linears.of(o),
+                  _norm_of(layer.post_attention_layernorm), _Linears.of(gate, up), _Linears.of(down),
+                  q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling))
+
+
+def _check_cpu_fp32(model: nn.Module) -> None:
+    params = next(model.parameters(), None)
     if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
         raise _Unsupported("not an fp32 model on CPU")
+
+
+def _read(target) -> list[_Layer]:
+    """The target's layers as `_Layer`s, or `_Unsupported` saying why `LeanForward` cannot run it."""
+    _check_cpu_fp32(target)
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
@@ -100,21 +128,7 @@ def _read(target) -> list[_Layer]:
         raise _Unsupported("layers of several attention types")
     if type(target.get_output_embeddings()) is not nn.Linear or getattr(inner, "embed_scale", None) is not None:
         raise _Unsupported("a non-standard embedding or lm_head")
-    out = []
-    for layer in layers:
-        if type(layer).__name__ not in LAYERS:
-            raise _Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
-        attn, mlp = layer.self_attn, layer.mlp
-        q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
-        gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-        if any(type(m) is not nn.Linear or not cpu_linear._plain(m.weight) for m in (q, k, v, o, gate, up, down)):
-            raise _Unsupported("adapted or quantized linear layers")
-        if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-            raise _Unsupported("q/k norms")
-        out.append(_Layer(_norm_of(layer.input_layernorm), _Linears.of(q, k, v), _Linears.of(o),
-                          _norm_of(layer.post_attention_layernorm), _Linears.of(gate, up), _Linears.of(down),
-                          float(attn.scaling)))
-    return out
+    return [_read_layer(layer) for layer in layers]
 
 
 def why_not(target) -> str | None:
@@ -140,75 +154,45 @@ def user_hooks(target) -> bool:
     return False
 
 
-class LeanForward:
-    """Called like the target on a verify block (the keywords `infer.kv.KVState.forward` passes):
-    input_ids [B, N], a 4D additive attention_mask [B, 1, N, S], position_ids [B, N] and the KV `cache`;
-    returns `LeanOutput`. `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel;
-    `packed`: the engine's `cpu_linear.PackCache` for larger blocks.
+class _LeanLayers:
+    """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
+    `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
+    `cpu_linear.PackCache` for larger blocks (None: `F.linear`)."""
 
-    The layers' tensors are read from the modules once, when it is made (a per-layer list of references,
-    not copies): make a new one when the model may have changed, as the engine does at every call."""
-
-    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
-        try:
-            self.layers = _read(target)
-        except _Unsupported as reason:
-            raise ValueError(f"LeanForward cannot run this target: {reason}") from None
-        self.target, self.stream_rows, self.packed = target, stream_rows, packed
+    def __init__(self, stream_rows: int, packed: cpu_linear.PackCache | None):
+        self.stream_rows, self.packed = stream_rows, packed
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 else None
-        inner = target.model
-        self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, _norm_of(inner.norm)
-        self.lm_head = _Linears.of(target.get_output_embeddings())
-        config = target.config
-        self.heads = config.num_attention_heads
-        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.target.dtype
+    def _rotary(self, rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
+        """The rotary tables for a block, shaped for `_layer`: [B*N, D] for the kernel, [B, 1, N, D] else."""
+        cos, sin = rotary(x, position_ids)  # [B, N, D]
+        if self.kernel is not None:
+            return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
+        return cos[:, None], sin[:, None]
 
-    @torch.no_grad()
-    def __call__(self, input_ids=None, *, attention_mask, position_ids, cache, inputs_embeds=None,
-                 output_hidden_states: bool = False, logits_to_keep: int = 0, use_cache: bool = True,
-                 cache_position=None):
-        # use_cache: the block's K/V always go into `cache`; cache_position: the cache's layers place them
-        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+    def _layer(self, x: torch.Tensor, y: torch.Tensor, layer: _Layer, index: int, cache, attention_mask,
+               rotary) -> torch.Tensor:
+        """x + attention(y) + MLP, as a Llama decoder layer computes it: x [B, N, D] is the residual stream,
+        y [B, N, K] the normed input of q/k/v (the layer's input norm of x, for a target layer)."""
         b, n, _ = x.shape
-        h, kvh, hd = self.heads, self.kv_heads, self.head_dim
-        cos, sin = self.rotary(x, position_ids)  # [B, N, head_dim]
-        kernel = self.kernel
-        if kernel is not None:
-            cos, sin = cos.reshape(b * n, hd), sin.reshape(b * n, hd)
+        h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
+        cos, sin = rotary
+        qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
+        if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
+            self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
+            qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            q, k = qkv[:, :h], qkv[:, h:h + kvh]
         else:
-            cos, sin = cos[:, None], sin[:, None]
-        hidden = [x] if output_hidden_states else None
-        for i, layer in enumerate(self.layers):
-            qkv = self._linear(self._norm(x, layer.input_norm), layer.qkv)  # [B, N, (H + 2 KVH) D]
-            if kernel is not None:  # rotate q and k in place, in the projection's own layout
-                kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
-                qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
-                q, k = qkv[:, :h], qkv[:, h:h + kvh]
-            else:
-                qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
-                qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
-                qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
-                q, k = qk[:, :h], qk[:, h:]
-            keys, values = cache.update(k, qkv[:, h + kvh:], i)
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=layer.scaling,
-                                               enable_gqa=kvh != h)
-            x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), layer.o)
-            gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
-            x = x + self._linear(F.silu(gate) * up, layer.down)
-            if hidden is not None:
-                hidden.append(x)
-        x = self._norm(x, self.final_norm)
-        if hidden is not None:
-            hidden[-1] = x  # transformers' last hidden state is the normed one
-        if logits_to_keep:
-            x = x[:, -logits_to_keep:]
-        logits = self._linear(x, self.lm_head)
-        return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
+            qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
+            qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
+            q, k = qk[:, :h], qk[:, h:]
+        keys, values = cache.update(k, qkv[:, h + kvh:], index)
+        o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=layer.scaling,
+                                           enable_gqa=kvh != h)
+        x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), layer.o)
+        gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
+        return x + self._linear(F.silu(gate) * up, layer.down)
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
@@ -223,10 +207,122 @@ class LeanForward:
         if self.kernel is not None and 1 < rows <= self.stream_rows and linears.streamable:
             y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases)
         else:
-            if rows > 1 and cpu_linear.available():
+            if rows > 1 and self.packed is not None and cpu_linear.available():
                 parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(w), bias, "none", [], "")
                          for w, bias in zip(linears.weights, linears.biases, strict=True)]
             else:
                 parts = [F.linear(flat, w, bias) for w, bias in zip(linears.weights, linears.biases, strict=True)]
             y = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return y.view(x.shape[0], x.shape[1], y.shape[-1])
+
+
+class LeanForward(_LeanLayers):
+    """Called like the target on a verify block (the keywords `infer.kv.KVState.forward` passes):
+    input_ids [B, N], a 4D additive attention_mask [B, 1, N, S], position_ids [B, N] and the KV `cache`;
+    returns `LeanOutput`. `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel;
+    `packed`: the engine's `cpu_linear.PackCache` for larger blocks.
+
+    The layers' tensors are read from the modules once, when it is made (a per-layer list of references,
+    not copies): make a new one when the model may have changed, as the engine does at every call."""
+
+    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
+        try:
+            self.layers = _read(target)
+        except _Unsupported as reason:
+            raise ValueError(f"LeanForward cannot run this target: {reason}") from None
+        super().__init__(stream_rows, packed)
+        self.target = target
+        inner = target.model
+        self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, _norm_of(inner.norm)
+        self.lm_head = _Linears.of(target.get_output_embeddings())
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.target.dtype
+
+    @torch.no_grad()
+    def __call__(self, input_ids=None, *, attention_mask, position_ids, cache, inputs_embeds=None,
+                 output_hidden_states: bool = False, logits_to_keep: int = 0, use_cache: bool = True,
+                 cache_position=None):
+        # use_cache: the block's K/V always go into `cache`; cache_position: the cache's layers place them
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rotary = self._rotary(self.rotary, x, position_ids)
+        hidden = [x] if output_hidden_states else None
+        for i, layer in enumerate(self.layers):
+            x = self._layer(x, self._norm(x, layer.input_norm), layer, i, cache, attention_mask, rotary)
+            if hidden is not None:
+                hidden.append(x)
+        x = self._norm(x, self.final_norm)
+        if hidden is not None:
+            hidden[-1] = x  # transformers' last hidden state is the normed one
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self._linear(x, self.lm_head)
+        return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
+
+
+def _read_eagle3(model) -> tuple[list[_Layer], tuple[torch.Tensor, float]]:
+    """An EAGLE-3 drafter's layers and hidden norm, or `_Unsupported` saying why `LeanEagle3` cannot run it."""
+    if getattr(model, "kind", None) != "eagle3":
+        raise _Unsupported(f"not an EAGLE-3 drafter ({getattr(model, 'kind', type(model).__name__)})")
+    _check_cpu_fp32(model)
+    config = model.config
+    if config.input_mode != "widen":
+        raise _Unsupported(f"input_mode {config.input_mode!r} (widen only)")
+    if config.layer_config.get("hidden_act") != "silu":
+        raise _Unsupported(f"activation {config.layer_config.get('hidden_act')!r} (SiLU only)")
+    embed = model._require_target("the lean drafter forward")["embed"]
+    if type(embed) is not nn.Embedding or model.rotary_emb is None:
+        raise _Unsupported("a non-standard embedding, or no rotary embedding")
+    if not _plain_linear(model.fc) or not _plain_linear(model.lm_head):
+        raise _Unsupported("adapted or quantized linear layers")
+    return [_read_layer(layer) for layer in model.layers], _norm_of(model.hidden_norm)
+
+
+def why_not_eagle3(model) -> str | None:
+    """Why `LeanEagle3` cannot run the drafter `model` (None: it can)."""
+    try:
+        _read_eagle3(model)
+    except _Unsupported as reason:
+        return str(reason)
+    return None
+
+
+class LeanEagle3(_LeanLayers):
+    """An EAGLE-3 drafter's forward (`heads.eagle3.Eagle3Model`, widened q/k/v over a Llama-layout layer) as
+    plain tensor code, called as the drafter is: (input_ids [B, T], hidden_states [B, T, n*D] fused target
+    features or [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden,
+    logits over the draft vocabulary). Its tensors are read once, when it is made (the drafting adapter
+    makes one per generate call)."""
+
+    def __init__(self, model, stream_rows: int):
+        try:
+            self.layers, self.hidden_norm = _read_eagle3(model)
+        except _Unsupported as reason:
+            raise ValueError(f"LeanEagle3 cannot run this drafter: {reason}") from None
+        super().__init__(stream_rows, None)
+        self.model = model
+        self.embed = model._require_target("the lean drafter forward")["embed"]
+        self.fc, self.lm_head = _Linears.of(model.fc), _Linears.of(model.lm_head)
+        self.final_norm = _norm_of(model.norm)
+        self.input_norm = self.layers[0].input_norm
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @torch.no_grad()
+    def __call__(self, input_ids, hidden_states, *, attention_mask, position_ids, past_key_values,
+                 cache_position=None, fused: bool | None = None):
+        # cache_position: the cache's layers place the block themselves
+        h = hidden_states.to(self.dtype)
+        if self.model._is_fused(h, fused):
+            h = self._linear(h, self.fc)
+        rotary = self._rotary(self.model.rotary_emb, h, position_ids)
+        normed = self._norm(h, self.hidden_norm)
+        residual = normed if self.model.config.norm_before_residual else h
+        y = torch.cat([self._norm(self.embed(input_ids), self.input_norm), normed], dim=-1)
+        h = self._layer(residual, y, self.layers[0], 0, past_key_values, attention_mask, rotary)
+        for i, layer in enumerate(self.layers[1:], start=1):
+            h = self._layer(h, self._norm(h, layer.input_norm), layer, i, past_key_values, attention_mask, rotary)
+        return h, self._linear(self._norm(h, self.final_norm), self.lm_head)

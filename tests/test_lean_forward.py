@@ -224,3 +224,78 @@ def test_rope_in_place_matches_the_models(rows):
     assert torch.equal(got[:, h + kvh:], v)  # values are not rotated
     with pytest.raises(RuntimeError, match="do not fit"):
         kernel.rope_(qkv, cos[0], sin[0], h + 2 * kvh + 1)
+
+
+# ------------------------------------------------------------------------- the EAGLE-3 drafter's forward
+def _eagle3(target, **options):
+    import heads
+
+    torch.manual_seed(1)
+    drafter = heads.build("eagle3", target, **options).eval()
+    with torch.no_grad():  # trained-like scales: random norms and biases-free linears well away from init
+        for p in drafter.parameters():
+            p.normal_(0, 0.3) if p.dim() == 2 else p.uniform_(0.5, 1.5)
+    drafter.attach(target)
+    return drafter
+
+
+@pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
+@pytest.mark.parametrize("options", [{}, {"num_layers": 2, "norm_before_residual": True}], ids=["one", "two"])
+def test_eagle3_lean_forward_is_the_drafters(stream_rows, options):
+    if stream_rows:
+        _kernel()
+    target = tiny_model("llama")
+    drafter = _eagle3(target, **options)
+    lean = lean_forward.LeanEagle3(drafter, stream_rows)
+    d, width = target.config.hidden_size, drafter.fc.in_features
+    torch.manual_seed(2)
+    prompt, features = torch.randint(0, 50, (2, 6)), torch.randn(2, 6, width)
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    # a draft step: three nodes fed the drafter's own hidden state, the third a child of the first
+    depth = torch.tensor([[0, 0, 1]] * 2)
+    ancestors = torch.tensor([[1, 0, 0], [0, 1, 0], [1, 0, 1]], dtype=torch.bool)[None].repeat(2, 1, 1)
+    block, own = torch.tensor([[7, 8, 9], [10, 11, 12]]), torch.randn(2, 3, d)
+    outs, caches = [], []
+    with torch.no_grad():
+        for net in (drafter, lean):
+            kv = KVState(2, prompt.device)
+            p_depth, p_ancestors, p_valid = prompt_tree(mask)
+            first = kv.forward_tree(net, p_depth, p_ancestors, p_valid, prompt, features)
+            kv.commit_block(0, p_valid)
+            outs.append((*first, *kv.forward_tree(net, depth, ancestors, torch.ones(2, 3, dtype=torch.bool), block, own)))
+            caches.append(kv.cache)
+    for got, expected in zip(outs[1], outs[0], strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
+        torch.testing.assert_close(layer_got.keys, layer_expected.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(layer_got.values, layer_expected.values, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_drafts_with_the_lean_eagle3_forward_and_stays_exact():
+    target = tiny_model("llama")
+    drafter = _eagle3(target)
+    expected = target.generate(IDS, max_new_tokens=24, do_sample=False)
+    for lean_verify, net in ((None, lean_forward.LeanEagle3), (False, type(drafter))):
+        model = SelfSpecModel(target, drafter, lean_verify=lean_verify)
+        assert torch.equal(model.generate(IDS, max_new_tokens=24), expected)
+        assert type(model.drafter.net) is net
+    calls = []
+    handle = drafter.lm_head.register_forward_hook(lambda *args: calls.append(1))
+    try:  # a hook of the user's on the drafter: its forwards go through the modules, which the hook sees
+        model = SelfSpecModel(target, drafter)
+        assert torch.equal(model.generate(IDS, max_new_tokens=24), expected)
+    finally:
+        handle.remove()
+    assert type(model.drafter.net) is type(drafter) and calls
+
+
+def test_which_drafters_the_lean_eagle3_forward_refuses():
+    import heads
+
+    target = tiny_model("llama")
+    assert lean_forward.why_not_eagle3(_eagle3(target)) is None
+    assert "not an EAGLE-3 drafter" in lean_forward.why_not_eagle3(heads.build("eagle", target))
+    assert "input_mode 'project'" in lean_forward.why_not_eagle3(_eagle3(target, input_mode="project"))
+    assert "fp32" in lean_forward.why_not_eagle3(_eagle3(target).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="LeanEagle3 cannot run this drafter: .*EAGLE-3"):
+        lean_forward.LeanEagle3(heads.build("eagle", target), 0)

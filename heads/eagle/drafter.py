@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from infer import lean_forward
 from infer.kv import KVState, prompt_tree
 from infer.tree import DraftTree, tree_from_paths
 
@@ -59,11 +60,25 @@ class EagleDrafter(HeadDrafter):
         self.max_depth = self.static.depth if self.static else tree["depth"]
         self.log_min_confidence = math.log(tree["min_confidence"]) if tree["min_confidence"] > 0 else None
         self.kv = self.root = self.last_hidden = self.last_logits = None
+        self._lean_rows: int | None = None
+        self.net = model  # the model, or its lean forward for the current call (`lean_forwards`)
+
+    def lean_forwards(self, stream_rows: int | None) -> None:
+        """From the next call on, run an EAGLE-3 model as `infer.lean_forward.LeanEagle3` computes it (the
+        same function without transformers' module machinery) where it can, with blocks of 2..stream_rows
+        rows on the streamed kernel; None: always through the model's modules (the default). The engine
+        sets this from its `lean_verify` setting."""
+        self._lean_rows = stream_rows
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         super().bind(target, sampling, batch_size, generator)
         self.kv = KVState(batch_size, target.get_input_embeddings().weight.device, config=None)
         self.root = self.last_hidden = self.last_logits = None
+        # what runs the model this call: made per call, so a hook or an adapted layer since the last one counts
+        self.net = self.model
+        if (self._lean_rows is not None and lean_forward.why_not_eagle3(self.model) is None
+                and not lean_forward.user_hooks(self.model)):
+            self.net = lean_forward.LeanEagle3(self.model, self._lean_rows)
 
     @torch.no_grad()
     def observe(self, step) -> None:
@@ -71,7 +86,7 @@ class EagleDrafter(HeadDrafter):
         features = self.model.fuse_features(step.hidden)
         depth, ancestors, valid = prompt_tree(step.valid)  # one causal block over the valid slots
         start = self.kv.size
-        hidden, logits = self.kv.forward_tree(self.model, depth, ancestors, valid, step.following_tokens(), features)
+        hidden, logits = self.kv.forward_tree(self.net, depth, ancestors, valid, step.following_tokens(), features)
         self.kv.commit_block(start, valid)
         last = step.last_valid_index().clamp(min=0)
         rows = torch.arange(last.shape[0], device=last.device)
@@ -148,7 +163,7 @@ class EagleDrafter(HeadDrafter):
         attend = torch.zeros(b, f, kv.size + f, dtype=torch.bool, device=tokens.device)
         attend[:, :, : kv.size] = kv.valid[:, None, :]
         attend.scatter_(2, ancestors, True)
-        return kv.forward(self.model, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
+        return kv.forward(self.net, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
 
     def _select(self, tokens, parents, scores, valid) -> DraftTree:
         """Static: every node. Dynamic: the root and the `total_tokens` best valid nodes by cumulative
