@@ -337,12 +337,16 @@ def stream_rows(model, *, repeats: int = 3) -> int:
     return rows
 
 
+def _lean_source_hash() -> str:
+    return _hash(Path(lean_forward.__file__).read_text() + cpu_linear.KERNEL_SOURCE.read_text())
+
+
 def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
                  prepack: bool | None = None) -> list[float]:
     """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine, run as
     the engine runs it by default (its KV cache and tree mask; the lean forward where it applies, else the
     model's own with the prepacked weights where it uses them), cached per target shape, device, threads,
-    context and forward."""
+    context and forward (the lean forward's and its kernel's source included: new code is measured anew)."""
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max_nodes + 1)
     streamed = stream_rows(target) if prepack else 0
@@ -351,7 +355,7 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         fields = {"target": _fingerprint(target), "device": device_name(target.device),
                   "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
                   "stream_rows": streamed, "attention": target.config._attn_implementation,  # as generate runs it
-                  "forward": "lean" if lean else "transformers"}
+                  "forward": f"lean {_lean_source_hash()}" if lean else "transformers"}
         cached = _read_cache("verify", fields)
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
@@ -365,7 +369,8 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
 def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repeats: int = 5,
                 prepack: bool | None = None) -> list[float]:
     """Seconds of one drafting step per tree settings in `trees` on this machine: the drafter (a heads model)
-    proposing the tree after a `context`-token prompt, plus observing a step that committed two tokens.
+    proposing the tree after a `context`-token prompt, plus observing a step that committed two tokens, run
+    as `SelfSpecModel` runs it by default (its lean forward where it has one).
     Trees drafted alike (dynamic ones differing only in `total_tokens`) are timed once."""
     prepack = _prepack(target, prepack)
     device = target.device
@@ -374,8 +379,9 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
     ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
     budget = torch.tensor([context], device=device)  # never the limit
     timed, observe = {}, None
+    streamed = stream_rows(target) if prepack else 0
     with _generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(
-            target, drafter, enabled=prepack, stream_rows=stream_rows(target) if prepack else 0):
+            target, drafter, enabled=prepack, stream_rows=streamed):
         out = target(ids, output_hidden_states=bool(drafter.feature_layers))
         features = tuple(out.hidden_states[i] for i in drafter.feature_layers)
         ones = torch.ones_like(ids, dtype=torch.bool)
@@ -386,6 +392,8 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
             if key in timed:
                 continue
             step = drafter.as_drafter(**tree)
+            if hasattr(step, "lean_forwards"):  # as SelfSpecModel runs it by default
+                step.lean_forwards(streamed if prepack else None)
             step.bind(target, SamplingParams(), 1)
             step.observe(prompt)
             if observe is None:
