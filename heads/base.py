@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import tempfile
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -321,4 +322,8 @@ class HeadDrafter(Drafter):
         if self.model.device != device:
             raise ValueError(f"the drafter is on {self.model.device} but the target on {device}; move it with "
                              f"drafter.to({str(device)!r})")
+        if device.type == "cpu" and self.model.dtype in (torch.float16, torch.bfloat16):
+            warnings.warn(f"the drafter is {self.model.dtype} on CPU, where half-precision matmuls are slow and "
+                          "its lean forward does not run; load it in fp32 (heads.load(..., dtype=torch.float32) "
+                          "or drafter.float()). Shipped drafters loaded by name are fp32 already", stacklevel=3)
         self.model.eval()

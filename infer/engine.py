@@ -224,8 +224,8 @@ class SelfSpecModel:
         (`lean_forward.why_not`, checked again at every call), not compiled, and no forward hook of the
         user's on the target at the call (hooks then see every forward). True where it cannot is an error;
         False = never. `last_stats["verify_forward"]` says which ran. Unless False, an EAGLE-3 drafter's
-        forwards run the same way where they can (`lean_forward.LeanEagle3`: widened q/k/v over a Llama-layout
-        layer, fp32 on CPU, no hook of the user's on the drafter)."""
+        forwards run the same way where they can (`heads.eagle3.lean.LeanEagle3`: widened q/k/v over a
+        Llama-layout layer, fp32 on CPU, no hook of the user's on the drafter)."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):

@@ -48,7 +48,7 @@ class LeanOutput:
 
 
 @dataclass(frozen=True)
-class _Linears:
+class Linears:
     """Weights (and biases) that share an input and write side by side: q/k/v, gate/up, or one alone."""
 
     weights: tuple[torch.Tensor, ...]
@@ -56,86 +56,86 @@ class _Linears:
     streamable: bool  # every weight contiguous: the streamed kernel can read it as it is
 
     @classmethod
-    def of(cls, *linears: nn.Linear) -> _Linears:
+    def of(cls, *linears: nn.Linear) -> Linears:
         weights = tuple(m.weight for m in linears)
         return cls(weights, tuple(m.bias for m in linears), all(w.is_contiguous() for w in weights))
 
 
 @dataclass(frozen=True)
-class _Layer:
+class Layer:
     """What one decoder layer's forward reads: the user's tensors themselves, no copies."""
 
     input_norm: tuple[torch.Tensor, float]  # (weight, eps)
-    qkv: _Linears
-    o: _Linears
+    qkv: Linears
+    o: Linears
     post_norm: tuple[torch.Tensor, float]
-    gate_up: _Linears
-    down: _Linears
+    gate_up: Linears
+    down: Linears
     heads: int
     kv_heads: int
     head_dim: int
     scaling: float
 
 
-class _Unsupported(Exception):
+class Unsupported(Exception):
     pass
 
 
-def _norm_of(norm: nn.Module) -> tuple[torch.Tensor, float]:
+def norm_of(norm: nn.Module) -> tuple[torch.Tensor, float]:
     return norm.weight, float(getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
 
 
-def _plain_linear(module: nn.Module) -> bool:
+def plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and cpu_linear._plain(module.weight)
 
 
-def _read_layer(layer: nn.Module) -> _Layer:
-    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `_Unsupported`."""
+def read_layer(layer: nn.Module) -> Layer:
+    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `Unsupported`."""
     if type(layer).__name__ not in LAYERS:
-        raise _Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
+        raise Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    if not all(_plain_linear(m) for m in (q, k, v, o, gate, up, down)):
-        raise _Unsupported("adapted or quantized linear layers")
+    if not all(plain_linear(m) for m in (q, k, v, o, gate, up, down)):
+        raise Unsupported("adapted or quantized linear layers")
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-        raise _Unsupported("q/k norms")
+        raise Unsupported("q/k norms")
     head_dim = attn.head_dim
-    return _Layer(_norm_of(layer.input_layernorm), _Linears.of(q, k, v), _Linears.of(o),
-                  _norm_of(layer.post_attention_layernorm), _Linears.of(gate, up), _Linears.of(down),
+    return Layer(norm_of(layer.input_layernorm), Linears.of(q, k, v), Linears.of(o),
+                  norm_of(layer.post_attention_layernorm), Linears.of(gate, up), Linears.of(down),
                   q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling))
 
 
-def _check_cpu_fp32(model: nn.Module) -> None:
+def check_cpu_fp32(model: nn.Module) -> None:
     params = next(model.parameters(), None)
     if params is None or params.device.type != "cpu" or params.dtype != torch.float32:
-        raise _Unsupported("not an fp32 model on CPU")
+        raise Unsupported("not an fp32 model on CPU")
 
 
-def _read(target) -> list[_Layer]:
-    """The target's layers as `_Layer`s, or `_Unsupported` saying why `LeanForward` cannot run it."""
-    _check_cpu_fp32(target)
+def _read(target) -> list[Layer]:
+    """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it."""
+    check_cpu_fp32(target)
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
-        raise _Unsupported(f"{type(target).__name__} does not have the Llama module layout")
+        raise Unsupported(f"{type(target).__name__} does not have the Llama module layout")
     config = target.config
     if getattr(config, "pretraining_tp", 1) != 1:
-        raise _Unsupported("pretraining_tp > 1")
+        raise Unsupported("pretraining_tp > 1")
     if getattr(config, "hidden_act", None) != "silu":
-        raise _Unsupported(f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)")
+        raise Unsupported(f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"}:
-        raise _Unsupported("layers of several attention types")
+        raise Unsupported("layers of several attention types")
     if type(target.get_output_embeddings()) is not nn.Linear or getattr(inner, "embed_scale", None) is not None:
-        raise _Unsupported("a non-standard embedding or lm_head")
-    return [_read_layer(layer) for layer in layers]
+        raise Unsupported("a non-standard embedding or lm_head")
+    return [read_layer(layer) for layer in layers]
 
 
 def why_not(target) -> str | None:
     """Why `LeanForward` cannot run `target` (None: it can)."""
     try:
         _read(target)
-    except _Unsupported as reason:
+    except Unsupported as reason:
         return str(reason)
     return None
 
@@ -154,7 +154,7 @@ def user_hooks(target) -> bool:
     return False
 
 
-class _LeanLayers:
+class LeanLayers:
     """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
     `cpu_linear.PackCache` for larger blocks (None: `F.linear`)."""
@@ -170,7 +170,7 @@ class _LeanLayers:
             return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
         return cos[:, None], sin[:, None]
 
-    def _layer(self, x: torch.Tensor, y: torch.Tensor, layer: _Layer, index: int, cache, attention_mask,
+    def _layer(self, x: torch.Tensor, y: torch.Tensor, layer: Layer, index: int, cache, attention_mask,
                rotary) -> torch.Tensor:
         """x + attention(y) + MLP, as a Llama decoder layer computes it: x [B, N, D] is the residual stream,
         y [B, N, K] the normed input of q/k/v (the layer's input norm of x, for a target layer)."""
@@ -200,7 +200,7 @@ class _LeanLayers:
             return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
         return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
 
-    def _linear(self, x: torch.Tensor, linears: _Linears) -> torch.Tensor:
+    def _linear(self, x: torch.Tensor, linears: Linears) -> torch.Tensor:
         """x [B, N, K] through `linears` side by side: [B, N, sum of their out_features]."""
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
@@ -216,7 +216,7 @@ class _LeanLayers:
         return y.view(x.shape[0], x.shape[1], y.shape[-1])
 
 
-class LeanForward(_LeanLayers):
+class LeanForward(LeanLayers):
     """Called like the target on a verify block (the keywords `infer.kv.KVState.forward` passes):
     input_ids [B, N], a 4D additive attention_mask [B, 1, N, S], position_ids [B, N] and the KV `cache`;
     returns `LeanOutput`. `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel;
@@ -228,13 +228,13 @@ class LeanForward(_LeanLayers):
     def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
         try:
             self.layers = _read(target)
-        except _Unsupported as reason:
+        except Unsupported as reason:
             raise ValueError(f"LeanForward cannot run this target: {reason}") from None
         super().__init__(stream_rows, packed)
         self.target = target
         inner = target.model
-        self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, _norm_of(inner.norm)
-        self.lm_head = _Linears.of(target.get_output_embeddings())
+        self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
+        self.lm_head = Linears.of(target.get_output_embeddings())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -259,70 +259,3 @@ class LeanForward(_LeanLayers):
             x = x[:, -logits_to_keep:]
         logits = self._linear(x, self.lm_head)
         return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)
-
-
-def _read_eagle3(model) -> tuple[list[_Layer], tuple[torch.Tensor, float]]:
-    """An EAGLE-3 drafter's layers and hidden norm, or `_Unsupported` saying why `LeanEagle3` cannot run it."""
-    if getattr(model, "kind", None) != "eagle3":
-        raise _Unsupported(f"not an EAGLE-3 drafter ({getattr(model, 'kind', type(model).__name__)})")
-    _check_cpu_fp32(model)
-    config = model.config
-    if config.input_mode != "widen":
-        raise _Unsupported(f"input_mode {config.input_mode!r} (widen only)")
-    if config.layer_config.get("hidden_act") != "silu":
-        raise _Unsupported(f"activation {config.layer_config.get('hidden_act')!r} (SiLU only)")
-    embed = model._require_target("the lean drafter forward")["embed"]
-    if type(embed) is not nn.Embedding or model.rotary_emb is None:
-        raise _Unsupported("a non-standard embedding, or no rotary embedding")
-    if not _plain_linear(model.fc) or not _plain_linear(model.lm_head):
-        raise _Unsupported("adapted or quantized linear layers")
-    return [_read_layer(layer) for layer in model.layers], _norm_of(model.hidden_norm)
-
-
-def why_not_eagle3(model) -> str | None:
-    """Why `LeanEagle3` cannot run the drafter `model` (None: it can)."""
-    try:
-        _read_eagle3(model)
-    except _Unsupported as reason:
-        return str(reason)
-    return None
-
-
-class LeanEagle3(_LeanLayers):
-    """An EAGLE-3 drafter's forward (`heads.eagle3.Eagle3Model`, widened q/k/v over a Llama-layout layer) as
-    plain tensor code, called as the drafter is: (input_ids [B, T], hidden_states [B, T, n*D] fused target
-    features or [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden,
-    logits over the draft vocabulary). Its tensors are read once, when it is made (the drafting adapter
-    makes one per generate call)."""
-
-    def __init__(self, model, stream_rows: int):
-        try:
-            self.layers, self.hidden_norm = _read_eagle3(model)
-        except _Unsupported as reason:
-            raise ValueError(f"LeanEagle3 cannot run this drafter: {reason}") from None
-        super().__init__(stream_rows, None)
-        self.model = model
-        self.embed = model._require_target("the lean drafter forward")["embed"]
-        self.fc, self.lm_head = _Linears.of(model.fc), _Linears.of(model.lm_head)
-        self.final_norm = _norm_of(model.norm)
-        self.input_norm = self.layers[0].input_norm
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.dtype
-
-    @torch.no_grad()
-    def __call__(self, input_ids, hidden_states, *, attention_mask, position_ids, past_key_values,
-                 cache_position=None, fused: bool | None = None):
-        # cache_position: the cache's layers place the block themselves
-        h = hidden_states.to(self.dtype)
-        if self.model._is_fused(h, fused):
-            h = self._linear(h, self.fc)
-        rotary = self._rotary(self.model.rotary_emb, h, position_ids)
-        normed = self._norm(h, self.hidden_norm)
-        residual = normed if self.model.config.norm_before_residual else h
-        y = torch.cat([self._norm(self.embed(input_ids), self.input_norm), normed], dim=-1)
-        h = self._layer(residual, y, self.layers[0], 0, past_key_values, attention_mask, rotary)
-        for i, layer in enumerate(self.layers[1:], start=1):
-            h = self._layer(h, self._norm(h, layer.input_norm), layer, i, past_key_values, attention_mask, rotary)
-        return h, self._linear(self._norm(h, self.final_norm), self.lm_head)

@@ -8,6 +8,8 @@ import torch
 from conftest import tiny_model
 from torch import nn
 
+from heads.eagle3.lean import LeanEagle3
+from heads.eagle3.lean import why_not as eagle3_why_not
 from infer import SelfSpecModel, cpu_linear, lean_forward
 from infer.kv import KVState, forward_block, prompt_tree
 
@@ -246,7 +248,7 @@ def test_eagle3_lean_forward_is_the_drafters(stream_rows, options):
         _kernel()
     target = tiny_model("llama")
     drafter = _eagle3(target, **options)
-    lean = lean_forward.LeanEagle3(drafter, stream_rows)
+    lean = LeanEagle3(drafter, stream_rows)
     d, width = target.config.hidden_size, drafter.fc.in_features
     torch.manual_seed(2)
     prompt, features = torch.randint(0, 50, (2, 6)), torch.randn(2, 6, width)
@@ -275,7 +277,7 @@ def test_generate_drafts_with_the_lean_eagle3_forward_and_stays_exact():
     target = tiny_model("llama")
     drafter = _eagle3(target)
     expected = target.generate(IDS, max_new_tokens=24, do_sample=False)
-    for lean_verify, net in ((None, lean_forward.LeanEagle3), (False, type(drafter))):
+    for lean_verify, net in ((None, LeanEagle3), (False, type(drafter))):
         model = SelfSpecModel(target, drafter, lean_verify=lean_verify)
         assert torch.equal(model.generate(IDS, max_new_tokens=24), expected)
         assert type(model.drafter.net) is net
@@ -293,9 +295,17 @@ def test_which_drafters_the_lean_eagle3_forward_refuses():
     import heads
 
     target = tiny_model("llama")
-    assert lean_forward.why_not_eagle3(_eagle3(target)) is None
-    assert "not an EAGLE-3 drafter" in lean_forward.why_not_eagle3(heads.build("eagle", target))
-    assert "input_mode 'project'" in lean_forward.why_not_eagle3(_eagle3(target, input_mode="project"))
-    assert "fp32" in lean_forward.why_not_eagle3(_eagle3(target).to(torch.bfloat16))
-    with pytest.raises(ValueError, match="LeanEagle3 cannot run this drafter: .*EAGLE-3"):
-        lean_forward.LeanEagle3(heads.build("eagle", target), 0)
+    assert eagle3_why_not(_eagle3(target)) is None
+    assert getattr(heads.build("eagle", target), "lean_forward", None) is None  # EAGLE-1 has none
+    assert "input_mode 'project'" in eagle3_why_not(_eagle3(target, input_mode="project"))
+    assert "fp32" in eagle3_why_not(_eagle3(target).to(torch.bfloat16))
+    assert _eagle3(target).to(torch.bfloat16).lean_forward(16) is None
+    with pytest.raises(ValueError, match="LeanEagle3 cannot run this drafter: input_mode 'project'"):
+        LeanEagle3(_eagle3(target, input_mode="project"), 0)
+
+
+def test_a_half_precision_drafter_on_cpu_is_warned_about():
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, _eagle3(target).half())
+    with pytest.warns(UserWarning, match="float16 on CPU, where half-precision matmuls are slow"):
+        model.generate(IDS, max_new_tokens=4)

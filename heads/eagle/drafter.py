@@ -64,10 +64,10 @@ class EagleDrafter(HeadDrafter):
         self.net = model  # the model, or its lean forward for the current call (`lean_forwards`)
 
     def lean_forwards(self, stream_rows: int | None) -> None:
-        """From the next call on, run an EAGLE-3 model as `infer.lean_forward.LeanEagle3` computes it (the
-        same function without transformers' module machinery) where it can, with blocks of 2..stream_rows
-        rows on the streamed kernel; None: always through the model's modules (the default). The engine
-        sets this from its `lean_verify` setting."""
+        """From the next call on, run the model through its `lean_forward` where it has one and it can run
+        (EAGLE-3's `heads.eagle3.lean.LeanEagle3`: the same function without transformers' modules), with
+        blocks of 2..stream_rows rows on the streamed kernel; None: always through the model's modules (the
+        default). The engine sets this from its `lean_verify` setting."""
         self._lean_rows = stream_rows
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
@@ -76,9 +76,9 @@ class EagleDrafter(HeadDrafter):
         self.root = self.last_hidden = self.last_logits = None
         # what runs the model this call: made per call, so a hook or an adapted layer since the last one counts
         self.net = self.model
-        if (self._lean_rows is not None and lean_forward.why_not_eagle3(self.model) is None
-                and not lean_forward.user_hooks(self.model)):
-            self.net = lean_forward.LeanEagle3(self.model, self._lean_rows)
+        make_lean = getattr(self.model, "lean_forward", None)  # EAGLE-3 has one
+        if self._lean_rows is not None and make_lean is not None and not lean_forward.user_hooks(self.model):
+            self.net = make_lean(self._lean_rows) or self.model
 
     @torch.no_grad()
     def observe(self, step) -> None:

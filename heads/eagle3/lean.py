@@ -1,0 +1,86 @@
+"""The EAGLE-3 drafter's forward as plain tensor code, for drafting on CPU (`infer.lean_forward`'s layers).
+
+`Eagle3Model.forward` runs transformers' decoder-layer modules, which on a 2-core CPU cost about as much as
+the drafter's few matmuls (docs/benchmarks.md). `LeanEagle3` computes the same function from the model's own
+tensors, read once when it is made (references, not copies): the fused-feature `fc`, the widened q/k/v layer
+and any further layers through `infer.lean_forward.LeanLayers` (the streamed kernel for 2..stream_rows rows,
+RMSNorm and rotary in it), then the draft `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from infer.lean_forward import (
+    LeanLayers,
+    Linears,
+    Unsupported,
+    check_cpu_fp32,
+    norm_of,
+    plain_linear,
+    read_layer,
+)
+
+
+def read(model) -> list:
+    """The drafter's layers as `infer.lean_forward.Layer`s, or `Unsupported` saying why it cannot run lean."""
+    check_cpu_fp32(model)
+    config = model.config
+    if config.input_mode != "widen":
+        raise Unsupported(f"input_mode {config.input_mode!r} (widen only)")
+    if config.layer_config.get("hidden_act") != "silu":
+        raise Unsupported(f"activation {config.layer_config.get('hidden_act')!r} (SiLU only)")
+    embed = model._require_target("the lean drafter forward")["embed"]
+    if type(embed) is not nn.Embedding or model.rotary_emb is None:
+        raise Unsupported("a non-standard embedding, or no rotary embedding")
+    if not plain_linear(model.fc) or not plain_linear(model.lm_head):
+        raise Unsupported("adapted or quantized linear layers")
+    return [read_layer(layer) for layer in model.layers]
+
+
+def why_not(model) -> str | None:
+    """Why `LeanEagle3` cannot run the drafter `model` (None: it can)."""
+    try:
+        read(model)
+    except Unsupported as reason:
+        return str(reason)
+    return None
+
+
+class LeanEagle3(LeanLayers):
+    """Called as the drafter is: (input_ids [B, T], hidden_states [B, T, n*D] fused target features or
+    [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden [B, T, D],
+    logits over the draft vocabulary)."""
+
+    def __init__(self, model, stream_rows: int):
+        try:
+            self.layers = read(model)
+        except Unsupported as reason:
+            raise ValueError(f"LeanEagle3 cannot run this drafter: {reason}") from None
+        super().__init__(stream_rows, None)
+        self.model = model
+        self.embed = model._require_target("the lean drafter forward")["embed"]
+        self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
+        self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.dtype
+
+    @torch.no_grad()
+    def __call__(self, input_ids, hidden_states, *, attention_mask, position_ids, past_key_values,
+                 cache_position=None, fused: bool | None = None):
+        # cache_position: the cache's layers place the block themselves
+        h = hidden_states.to(self.dtype)
+        if self.model._is_fused(h, fused):
+            h = self._linear(h, self.fc)
+        rotary = self._rotary(self.model.rotary_emb, h, position_ids)
+        normed = self._norm(h, self.hidden_norm)
+        residual = normed if self.model.config.norm_before_residual else h
+        first = self.layers[0]
+        y = torch.cat([self._norm(self.embed(input_ids), first.input_norm), normed], dim=-1)
+        h = self._layer(residual, y, first, 0, past_key_values, attention_mask, rotary)
+        for i, layer in enumerate(self.layers[1:], start=1):
+            h = self._layer(h, self._norm(h, layer.input_norm), layer, i, past_key_values, attention_mask, rotary)
+        return h, self._linear(self._norm(h, self.final_norm), self.lm_head)
