@@ -346,9 +346,9 @@ class SelfSpecModel:
             packed_target = None if self._verify_forward is not None else self.target
             # made per call: the user may have added a hook, adapted a layer (LoRA, quantization) or swapped a
             # weight since the last one
-            if (self._lean_verify and lean_forward.why_not(self.target) is None
-                    and not lean_forward.user_hooks(self.target)):
-                self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
+            if self._lean_verify and not lean_forward.user_hooks(self.target):
+                with contextlib.suppress(lean_forward.Unsupported):  # a layer adapted since construction
+                    self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):

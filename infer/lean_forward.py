@@ -77,8 +77,8 @@ class Layer:
     scaling: float
 
 
-class Unsupported(Exception):
-    pass
+class Unsupported(ValueError):
+    """A model a lean forward cannot run; the message says why."""
 
 
 def norm_of(norm: nn.Module) -> tuple[torch.Tensor, float]:
@@ -229,7 +229,7 @@ class LeanForward(LeanLayers):
         try:
             self.layers = _read(target)
         except Unsupported as reason:
-            raise ValueError(f"LeanForward cannot run this target: {reason}") from None
+            raise Unsupported(f"LeanForward cannot run this target: {reason}") from None
         super().__init__(stream_rows, packed)
         self.target = target
         inner = target.model

@@ -57,7 +57,7 @@ class LeanEagle3(LeanLayers):
         try:
             self.layers = read(model)
         except Unsupported as reason:
-            raise ValueError(f"LeanEagle3 cannot run this drafter: {reason}") from None
+            raise Unsupported(f"LeanEagle3 cannot run this drafter: {reason}") from None
         super().__init__(stream_rows, None)
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]

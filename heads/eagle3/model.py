@@ -156,9 +156,14 @@ class Eagle3Model(DrafterModel):
         """This forward as plain tensor code for drafting (`heads.eagle3.lean.LeanEagle3`: no transformers
         modules, blocks of 2..stream_rows rows on the streamed kernel), or None where it cannot run (not fp32
         on CPU, `input_mode: project`, ...: `heads.eagle3.lean.why_not` says why)."""
-        from .lean import LeanEagle3, why_not
+        from infer.lean_forward import Unsupported
 
-        return LeanEagle3(self, stream_rows) if why_not(self) is None else None
+        from .lean import LeanEagle3
+
+        try:
+            return LeanEagle3(self, stream_rows)
+        except Unsupported:
+            return None
 
     def as_drafter(self, **tree_overrides):
         from ..eagle.drafter import EagleDrafter
