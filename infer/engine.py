@@ -366,14 +366,13 @@ class SelfSpecModel:
         kv = self._new_cache(input_ids, settings.max_new_tokens)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
                  "target_seconds": 0.0, "verify_forward": "lean" if self._lean is not None else "transformers"}
-        self._target_seconds = 0.0
         rows = self._start_rows(attention_mask, settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
         # 1. Prefill: the prompt, and the target's first token (the first root).
         tic = time.perf_counter()
-        step = self._prefill(kv, input_ids, attention_mask, settings, generator)
+        step = self._prefill(kv, input_ids, attention_mask, settings, generator, stats)
         stats["verify_seconds"] += time.perf_counter() - tic
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
@@ -391,7 +390,7 @@ class SelfSpecModel:
             # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV.
             tic = time.perf_counter()
             emitted = torch.tensor([len(rows.out[r]) for r in rows.alive.tolist()], device=tree.tokens.device)
-            step, acc = self._verify(kv, tree, settings, generator, emitted)
+            step, acc = self._verify(kv, tree, settings, generator, emitted, stats)
             stats["verify_seconds"] += time.perf_counter() - tic
             if self.step_observer is not None:
                 self.step_observer(tree, acc, budget)
@@ -411,7 +410,6 @@ class SelfSpecModel:
         if streamer is not None:
             streamer.end()
         new_tokens = sum(len(o) for o in rows.out)
-        stats["target_seconds"] = self._target_seconds  # inside the target's prefill and verify forwards
         # tau: new tokens per (row, target forward), the bonus token counted and the prefill included
         stats.update(new_tokens=new_tokens, accepted_lengths=rows.accepted,
                      mean_accepted_length=new_tokens / max(stats["row_forwards"], 1))
@@ -419,20 +417,22 @@ class SelfSpecModel:
         return self._assemble(input_ids, rows, settings.pad)
 
     # ---------------------------------------------------------------- steps
-    def _prefill(self, kv, input_ids, attention_mask, settings, generator) -> TargetStep:
+    def _prefill(self, kv, input_ids, attention_mask, settings, generator, stats: dict) -> TargetStep:
         depth, ancestors, valid = prompt_tree(attention_mask)
         tic = time.perf_counter()
         out = forward_block(self.target, kv, depth, ancestors, valid, input_ids=input_ids,
                             output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
-        self._target_seconds += time.perf_counter() - tic
+        stats["target_seconds"] += time.perf_counter() - tic  # inside the target's forward
         kv.mark_valid(valid)
         logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
         root = next_token(logits[:, -1], settings.sampling, generator)
         return TargetStep(tokens=input_ids, valid=valid, next_tokens=root,
                           hidden=self._features(out))
 
-    def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor):
-        """emitted: [B] new tokens each row has emitted so far, the root included."""
+    def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor,
+                stats: dict):
+        """emitted: [B] new tokens each row has emitted so far, the root included; the target forward's time
+        goes into stats["target_seconds"]."""
         depth, ancestors = tree.depth_and_ancestors()
         start = kv.size
         # Scored nodes (if any) ride after the tree nodes; the tree never attends to them.
@@ -448,7 +448,7 @@ class SelfSpecModel:
                                                         size if size <= kv.room() else m)
         tic = time.perf_counter()
         out = self._verify_forward_block(kv, tokens, offsets, attend, valid)
-        self._target_seconds += time.perf_counter() - tic
+        stats["target_seconds"] += time.perf_counter() - tic  # inside the target's forward
         logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
