@@ -211,6 +211,13 @@ def test_resume_may_extend_the_run_with_a_warning(workspace):
     assert longer["step"] == 6 and longer["history"][:2] == short["history"]
 
 
+def test_resume_that_would_save_no_checkpoint_is_warned_about(workspace):
+    # save_every is not a setting of the weights, so a resume may change it; left out, it falls back to 0
+    run(workspace, "unsaved", drafter="eagle", max_steps=4, save_every=2, halt_after_steps=2)
+    with pytest.warns(UserWarning, match="save_every=0: this run saves no checkpoint.*Pass save_every=2"):
+        run(workspace, "unsaved", drafter="eagle", max_steps=4, resume=True)
+
+
 def test_a_used_output_dir_needs_resume_or_overwrite(workspace):
     old = run(workspace, "used", drafter="eagle", max_steps=7, save_every=3, halt_after_steps=6)
     assert old["halted"]

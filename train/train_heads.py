@@ -274,6 +274,10 @@ def resume_checkpoint(config: TrainConfig) -> Path:
     if changed:
         warnings.warn(f"resuming {path} with {', '.join(changed.values())}: the run's length changed, so the "
                       "learning-rate schedule after the checkpoint follows the new total", stacklevel=2)
+    if saved.get("save_every") and not config.save_every:
+        warnings.warn(f"resuming {path}, a run that saved a checkpoint every {saved['save_every']} steps, with "
+                      "save_every=0: this run saves no checkpoint, so a kill loses every step after "
+                      f"{path.name}. Pass save_every={saved['save_every']} to keep checkpointing", stacklevel=2)
     return path
 
 
