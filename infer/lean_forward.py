@@ -131,13 +131,18 @@ def _read(target) -> list[Layer]:
     return [read_layer(layer) for layer in layers]
 
 
-def why_not(target) -> str | None:
-    """Why `LeanForward` cannot run `target` (None: it can)."""
+def reason_not_to_run(read, model) -> str | None:
+    """What `read(model)` raises as `Unsupported`, as text; None when it reads the model."""
     try:
-        _read(target)
+        read(model)
     except Unsupported as reason:
         return str(reason)
     return None
+
+
+def why_not(target) -> str | None:
+    """Why `LeanForward` cannot run `target` (None: it can)."""
+    return reason_not_to_run(_read, target)
 
 
 def user_hooks(target) -> bool:

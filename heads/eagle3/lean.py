@@ -20,6 +20,7 @@ from infer.lean_forward import (
     norm_of,
     plain_linear,
     read_layer,
+    reason_not_to_run,
 )
 
 
@@ -41,11 +42,7 @@ def read(model) -> list:
 
 def why_not(model) -> str | None:
     """Why `LeanEagle3` cannot run the drafter `model` (None: it can)."""
-    try:
-        read(model)
-    except Unsupported as reason:
-        return str(reason)
-    return None
+    return reason_not_to_run(read, model)
 
 
 class LeanEagle3(LeanLayers):
