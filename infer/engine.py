@@ -247,8 +247,9 @@ class SelfSpecModel:
         self.static_cache = static_cache
         self._verify_forward = None  # the target's compiled forward for verify blocks (static cache only)
         self._cache: KVState | None = None  # the static KV cache, kept for the next call of the same shape
+        # the drafter that runs forwards of its own (lookup-first wraps one)
+        own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         if compile:
-            own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
             if hasattr(own, "compile_forwards"):
                 own.compile_forwards()
             elif not static_cache:
@@ -277,7 +278,6 @@ class SelfSpecModel:
                 raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
                                  "to use it where it can, or False")
         self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
-        own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
             own.lean_forwards(self._stream_rows if lean_verify is not False and self.cpu_prepack else None)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
