@@ -143,6 +143,8 @@ CASES = {
     "max_samples negative": (lambda c: c.config(max_samples=-1), ValueError, "'max_samples' must be >= 0"),
     "halt_after_steps negative": (lambda c: c.config(halt_after_steps=-1), ValueError,
                                   "'halt_after_steps' must be >= 0"),
+    "max_train_minutes negative": (lambda c: c.config(max_train_minutes=-1.0), ValueError,
+                                  "'max_train_minutes' must be >= 0"),
     "head_decay zero": (lambda c: c.config(head_decay=0), ValueError, "'head_decay' must be > 0"),
     "ttt_decay negative": (lambda c: c.config(ttt_decay=-0.5), ValueError, "'ttt_decay' must be > 0"),
     "token loss weight negative": (lambda c: c.config(token_loss_weight=-1), ValueError,

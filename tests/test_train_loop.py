@@ -109,6 +109,17 @@ def test_kill_and_resume_equals_uninterrupted(workspace, kind, extra):
     assert_same_run(workspace["root"] / f"straight_{kind}", straight, workspace["root"] / f"resumed_{kind}", resumed)
 
 
+def test_time_budget_ends_the_run_with_a_drafter(workspace):
+    # A budget spent after the first step: the run ends there as if max_steps were 1, evaluated and saved.
+    result = run(workspace, "budget", drafter="eagle", max_steps=50, max_train_minutes=1e-9)
+    assert result["step"] == 1 and not result["halted"]
+    assert result["stopped_by_time_budget"] == {"max_train_minutes": 1e-9, "planned_steps": 50}
+    assert "step0/top1" in result["eval"]
+    saved = json.loads((workspace["root"] / "budget" / "result.json").read_text())
+    assert saved["stopped_by_time_budget"]["planned_steps"] == 50
+    assert heads.load(workspace["root"] / "budget" / "drafter").kind == "eagle"
+
+
 def assert_same_run(folder_a, a, folder_b, b):
     """Weights, history (returned and on disk) and counters of two runs are identical."""
     assert b["history"] == a["history"]

@@ -86,6 +86,24 @@ def test_sampling_and_cli(tmp_path, target):
     assert len(read(out)) == 3
 
 
+def test_several_sampled_answers_per_prompt_resume_by_sample(tmp_path, target):
+    model, tok = target
+    rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(3)))
+    out = tmp_path / "out.jsonl"
+    settings = dict(max_new_tokens=10, batch_size=4, temperature=1.0, samples=3, progress=False)
+    regenerate(model, tok, rows, out, max_samples=2, **settings)
+    assert sorted(r["id"] for r in read(out)) == ["0#0", "0#1", "0#2", "1#0", "1#1", "1#2"]
+    counts = regenerate(model, tok, rows, out, **settings)  # resumes: only row 2's samples are new
+    assert counts["skipped_done"] == 6 and counts["written"] == 3
+    records = read(out)
+    assert len({r["id"] for r in records}) == 9
+    by_prompt = {}
+    for r in records:
+        by_prompt.setdefault(r["id"].split("#")[0], set()).add(r["messages"][1]["content"])
+    # Sampled, not copied: a random tiny model's answers to one prompt differ (where it writes any).
+    assert sum(len(answers) > 1 for answers in by_prompt.values()) >= 2
+
+
 def test_bad_input(tmp_path, target):
     model, tok = target
     rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(2)))
@@ -93,3 +111,7 @@ def test_bad_input(tmp_path, target):
         regenerate(model, char_tokenizer(chat_template=None), rows, tmp_path / "o.jsonl", progress=False)
     with pytest.raises(ValueError, match="out_format"):
         regenerate(model, tok, rows, tmp_path / "o.jsonl", out_format="csv", progress=False)
+    with pytest.raises(ValueError, match="temperature > 0"):
+        regenerate(model, tok, rows, tmp_path / "o.jsonl", samples=2, progress=False)
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        regenerate(model, tok, rows, tmp_path / "o.jsonl", samples=0, temperature=1.0, progress=False)

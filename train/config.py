@@ -79,6 +79,7 @@ class TrainConfig:
     resume: bool = False  # continue from the newest intact checkpoint in <output_dir>/checkpoints, with the same settings
     overwrite: bool = False  # start a new run in a used output_dir: deletes its checkpoints/, drafter/, history.jsonl, result.json
     halt_after_steps: int = 0  # stop after this many steps without the final save, as a kill would (tests, preemption drills)
+    max_train_minutes: float = 0.0  # a wall-clock budget for the loop (0 = none): when spent, the run ends as at max_steps (final evaluation, drafter folder) with its schedule cut where it stood; for leased machines
     report_to: str = "none"  # none | wandb (WANDB_MODE=offline/disabled is honoured)
     wandb_project: str = "selfspec"  # wandb project name
     run_name: str = ""  # wandb run name (empty: derived from drafter kind and target)
@@ -178,6 +179,7 @@ NON_NEGATIVE = {
     "eval_every": "0 = only at the end",
     "save_every": "0 = no checkpoints",
     "halt_after_steps": "0 = never halt",
+    "max_train_minutes": "0 = no time budget",
 }
 
 

@@ -11,6 +11,9 @@ Resumable: records are appended to `--out` one line each, and a restart skips th
 line cut short by a kill is dropped). With sampling, a resumed run draws different random numbers than an
 uninterrupted one would have (batches are formed anew), so only greedy output is reproducible.
 
+`--samples N` writes N sampled answers per prompt (ids `<id>#0` .. `<id>#N-1`; needs `--temperature` > 0):
+several of the target's own answers to one prompt are more training text where prompts are few.
+
 `--engine vllm` generates with vLLM's offline engine instead (train/vllm_engine.py: vLLM runs in its own
 environment, `make vllm`), each batch handed to vLLM's scheduler whole, so a larger `--batch_size` (64+)
 pays there; the file written is the same, and so is resuming.
@@ -77,7 +80,7 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
     sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None) if temperature > 0 else \
         dict(do_sample=False, temperature=None, top_p=None, top_k=None)
     out = model.generate(**enc, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, **sampling)
-    new = out[:, enc["input_ids"].shape[1]:]
+    new = out[:, enc["input_ids"].shape[1]:].cpu()  # one copy, not a device sync per token below
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     replies = []
@@ -97,10 +100,11 @@ def to_record(id_: str, messages: list[dict], fmt: str, finished: bool) -> dict:
 
 def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0, max_new_tokens: int = 256,
                batch_size: int = 8, temperature: float = 0.0, top_p: float = 1.0, out_format: str = "messages",
-               seed: int = 0, progress: bool = True) -> dict:
+               seed: int = 0, samples: int = 1, progress: bool = True) -> dict:
     """Append regenerated conversations for `rows` (a datasets.Dataset) to `out`; return counts.
 
-    `model` is the target (transformers' batched `generate`) or a `train.vllm_engine.VLLMEngine`."""
+    `model` is the target (transformers' batched `generate`) or a `train.vllm_engine.VLLMEngine`. With
+    `samples` > 1 each row is answered that many times (sampled), as records `<id>#0`, `<id>#1`, ..."""
     from tqdm.auto import tqdm
 
     from .vllm_engine import VLLMEngine
@@ -109,6 +113,11 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
         raise ValueError("the target's tokenizer has no chat template; set tokenizer.chat_template first")
     if out_format not in ("messages", "sharegpt"):
         raise ValueError(f"out_format must be 'messages' or 'sharegpt', got {out_format!r}")
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1, got {samples}")
+    if samples > 1 and temperature <= 0:
+        raise ValueError(f"samples={samples} with greedy decoding (temperature 0) writes the same answer "
+                         f"{samples} times; set a temperature > 0 (e.g. 0.7) or samples=1")
     if len(rows) == 0:
         raise ValueError("the dataset is empty")
     fmt = detect_format(rows.column_names)
@@ -120,8 +129,9 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
     todo = []
     for index, row in enumerate(rows):
         id_ = str(row.get("id", index))
-        if id_ not in done:
-            todo.append((id_, conversation_plan(to_messages(row, fmt, row_name(index, row)))))
+        for sample_id in [id_] if samples == 1 else [f"{id_}#{k}" for k in range(samples)]:
+            if sample_id not in done:
+                todo.append((sample_id, conversation_plan(to_messages(row, fmt, row_name(index, row)))))
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -172,6 +182,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch_size", type=int, default=8)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--samples", type=int, default=1, help="answers per prompt (sampled; ids <id>#k)")
     parser.add_argument("--format", default="messages", choices=["messages", "sharegpt"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -187,7 +198,7 @@ def main(argv=None) -> None:
 
     rows = load_rows(args.data, args.split)
     settings = dict(max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
-                    temperature=args.temperature, top_p=args.top_p, out_format=args.format, seed=args.seed)
+                    temperature=args.temperature, top_p=args.top_p, out_format=args.format, seed=args.seed, samples=args.samples)
     if args.engine == "vllm":
         from transformers import AutoTokenizer
 

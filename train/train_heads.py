@@ -59,7 +59,7 @@ RUN_FILES = ("checkpoints", "drafter", "history.jsonl", "result.json")  # what m
 MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, and the run's settings
 # Settings a resumed run may change: they decide logging, evaluation and where files go, not the weights.
 RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
-                     "keep_checkpoints", "halt_after_steps", "report_to", "wandb_project", "run_name",
+                     "keep_checkpoints", "halt_after_steps", "max_train_minutes", "report_to", "wandb_project", "run_name",
                      "push_to_hub", "progress_bar", "feature_cache_dir", "max_eval_samples", "eval_steps_depth"}
 # Settings a resumed run may change with a warning: extending (or shortening) a run is a common wish, and only
 # the learning-rate schedule after the checkpoint differs (it follows the new total).
@@ -182,7 +182,8 @@ def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict
         batch = move(collate([eval_set[i] for i in indices], indices, pad_id), accelerator.device)
         with accelerator.autocast():
             loss, _ = objective(batch, feature_batch(features, batch), stats=stats, steps=steps)
-        loss_sum += torch.stack([loss.detach().double() * len(indices), torch.tensor(len(indices)).double()])
+        loss_sum[0] += loss.detach().double() * len(indices)
+        loss_sum[1] += len(indices)
     packed = accelerator.reduce(torch.cat([stats.tensor(), loss_sum]), reduction="sum")
     stats = StepStats.from_tensor(packed[:-2].cpu())
     out = stats.summary(kind.depth_label)
@@ -465,7 +466,8 @@ def train(config: TrainConfig) -> dict:
     history_file = open_history(config, progress) if main else None
     bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
     t_train = time.perf_counter()
-    while progress.step < total_steps and not result["halted"]:
+    out_of_time = False
+    while progress.step < total_steps and not (result["halted"] or out_of_time):
         batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
                                 accelerator.process_index, accelerator.num_processes)
         usable = len(batches) - len(batches) % config.grad_accum
@@ -502,6 +504,12 @@ def train(config: TrainConfig) -> dict:
             if config.halt_after_steps and progress.step >= config.halt_after_steps:
                 result["halted"] = True  # as if killed: no final evaluation, no drafter folder
                 break
+            if config.max_train_minutes and time.perf_counter() - t_train >= 60 * config.max_train_minutes:
+                out_of_time = True  # ends like max_steps: final evaluation and drafter folder
+                if main:
+                    bar.write(f"[train] max_train_minutes={config.max_train_minutes} spent at step "
+                              f"{progress.step}/{total_steps}: ending the run here")
+                break
         if progress.batch >= usable:
             progress.epoch, progress.batch = progress.epoch + 1, 0
     bar.close()
@@ -510,6 +518,8 @@ def train(config: TrainConfig) -> dict:
     result.update(step=progress.step, history=progress.history, feature_seconds=round(inputs.feature_seconds, 1),
                   train_seconds=round(time.perf_counter() - t_train, 1),
                   assistant_tokens_seen=progress.assistant_tokens_seen)
+    if out_of_time:
+        result["stopped_by_time_budget"] = {"max_train_minutes": config.max_train_minutes, "planned_steps": total_steps}
     if result["halted"]:
         accelerator.end_training()
         return result
