@@ -43,4 +43,4 @@ def prepare(drafter, target, train_set) -> None:
     drafter.set_vocab_map(*build_vocab_map(counts, drafter.config.draft_vocab_size))
     drafter.init_from_target(target)
     drafter.config.training = {**(drafter.config.training or {}),
-                               "draft_vocab_coverage": round(float(counts[drafter.t2d].sum() / counts.sum()), 4)}
+                               "draft_vocab_coverage": round(float(counts[drafter.t2d.cpu()].sum() / counts.sum()), 4)}
