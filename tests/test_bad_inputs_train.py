@@ -185,7 +185,7 @@ CASES = {
                                   "element 1 of the top-level array is int"),
     "missing data file": (lambda c: load_rows(str(c.tmp / "none.jsonl")), ValueError, "does not exist"),
     "empty data file": (lambda c: load_rows(c.write("d.jsonl", "\n")), ValueError, "is empty"),
-    "folder as data": (lambda c: load_rows(str(c.tmp)), ValueError, "local data must be a .json, .jsonl or .parquet"),
+    "folder as data": (lambda c: load_rows(str(c.tmp)), ValueError, "local data must be a .json, .jsonl"),
     "unknown columns": (lambda c: c.samples(c.jsonl({"prompt": "a", "completion": "b"})), ValueError,
                         "cannot tell the data format"),
     "role human": (lambda c: c.samples(c.jsonl({"id": "a", "messages": [USER, ASSISTANT]},

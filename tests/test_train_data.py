@@ -78,6 +78,19 @@ def test_parquet_and_alpaca_input_field(tmp_path):
     assert "say\n\nhi" in char_tokenizer().decode(samples[0].input_ids)
 
 
+def test_gzipped_json_lines(tmp_path):
+    import gzip
+
+    rows = [{"instruction": "say", "input": "", "output": f"hi {i}"} for i in range(3)]
+    text = "".join(json.dumps(r) + "\n" for r in rows)
+    (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert load_rows(str(tmp_path / "d.jsonl.gz"))["output"] == ["hi 0", "hi 1", "hi 2"]
+    # A bad line inside the archive is named like one in a plain file.
+    (tmp_path / "bad.jsonl.gz").write_bytes(gzip.compress((text + "{oops\n").encode()))
+    with pytest.raises(ValueError, match="line 4 is not valid JSON"):
+        load_rows(str(tmp_path / "bad.jsonl.gz"))
+
+
 @pytest.mark.slow
 def test_smollm2_template_mask():
     """The real target's template (ChatML that adds a default system turn when none is given)."""

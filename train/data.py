@@ -1,6 +1,6 @@
 """Conversations in, token ids and an assistant-only loss mask out.
 
-Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file) in one of three formats,
+Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file, JSON optionally gzipped) in one of three formats,
 detected from the columns: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of
 `role`/`content`) or Alpaca (`instruction`/`input`/`output`). Each conversation is rendered with the
 target tokenizer's own chat template. Nothing is dropped or guessed silently: a malformed JSON line, a
@@ -17,6 +17,7 @@ character span. Templates that rewrite earlier turns (so that prefixes are not p
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from dataclasses import dataclass, field
@@ -37,17 +38,20 @@ def load_rows(source: str, split: str = "train"):
     import datasets
 
     path = Path(source)
-    if path.suffix in LOCAL_SUFFIXES:
+    gzipped = path.suffix == ".gz" and Path(path.stem).suffix in (".json", ".jsonl")
+    suffix = Path(path.stem).suffix if gzipped else path.suffix
+    if suffix in LOCAL_SUFFIXES:
         if not path.is_file():
             raise ValueError(f"data file {source!r} does not exist")
-        if path.suffix != ".parquet":
-            text = path.read_text()
+        if suffix != ".parquet":
+            text = gzip.decompress(path.read_bytes()).decode() if gzipped else path.read_text()
             if text.strip() in ("", "[]"):
                 raise ValueError(f"the dataset {source!r} is empty")
             check_json(text, source)
-        return datasets.load_dataset(LOCAL_SUFFIXES[path.suffix], data_files=str(path), split="train")
+        return datasets.load_dataset(LOCAL_SUFFIXES[suffix], data_files=str(path), split="train")
     if path.exists():
-        raise ValueError(f"data {source!r}: local data must be a .json, .jsonl or .parquet file")
+        raise ValueError(f"data {source!r}: local data must be a .json, .jsonl (either may be gzipped: .gz) or "
+                         ".parquet file")
     return datasets.load_dataset(source, split=split)
 
 
