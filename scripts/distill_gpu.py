@@ -7,11 +7,10 @@ each training prompt, then the EAGLE-3 drafter trains on them and on the greedy 
 1. `train.regenerate --samples N` on the first `--max-prompts` prompts (the rest are the held-out prompts of
    data/alpaca_heldout_prompts.jsonl), stopped at the regeneration budget; it appends a batch at a time, so a
    stop keeps every finished batch and a rerun resumes.
-2. A short probe of the training loop times one optimizer step on this machine.
-3. The run itself, its max_steps sized from the probe so that the learning-rate schedule ends inside the
-   training budget (max_train_minutes stays as a safety net).
-Everything lands under --out: sampled.jsonl, train.jsonl, probe/, run/ (run/drafter is the drafter) and
-distill.json (what was measured).
+2. Training inside the rest of the budget (train/budget.py): the warm-up steps time the pace, then the run
+   resumes with as many steps as fit, so the learning-rate schedule ends in time.
+Everything lands under --out: sampled.jsonl, train.jsonl, run/ (run/drafter is the drafter) and distill.json
+(what was measured).
 """
 
 from __future__ import annotations
@@ -25,9 +24,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-
-PROBE_STEPS = 30
-
 
 def regenerate(args, sampled: Path) -> dict:
     command = [sys.executable, "-m", "train.regenerate", "--target", args.target, "--data", args.prompts,
@@ -52,23 +48,6 @@ def regenerate(args, sampled: Path) -> dict:
     return report
 
 
-def merge(sources: list[Path], dest: Path) -> int:
-    """Concatenate JSONL files (a sampled file cut by the budget is trimmed to whole lines first)."""
-    from train.regenerate import read_done_ids
-
-    rows = 0
-    with dest.open("w") as f:
-        for source in sources:
-            if not source.exists():
-                continue
-            read_done_ids(source)  # drops a last line cut short by the stop
-            for line in source.read_text().splitlines():
-                if line.strip():
-                    f.write(line + "\n")
-                    rows += 1
-    return rows
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,15 +65,15 @@ def main(argv=None) -> None:
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--regen-minutes", type=float, default=3.0)
-    parser.add_argument("--train-minutes", type=float, default=3.5, help="probe + run, setup included")
-    parser.add_argument("--probe-samples", type=int, default=3000, help="conversations the timing probe loads")
+    parser.add_argument("--train-minutes", type=float, default=3.5, help="training, setup included")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="training config overrides")
     args = parser.parse_args(argv)
 
     import torch
 
+    from train.budget import train_within
     from train.config import load_config
-    from train.train_heads import train
+    from train.regenerate import merge_files
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -105,28 +84,12 @@ def main(argv=None) -> None:
     report["regenerate"] = regenerate(args, sampled)
     sources = ([Path(args.greedy)] if args.greedy else []) + [sampled]
     report["regenerate"]["sampled_answers"] = len(read_ids(sampled))
-    report["train_rows"] = merge(sources, merged)
+    report["train_rows"] = merge_files(sources, merged)
     print(f"[distill] {json.dumps(report['regenerate'])}; {report['train_rows']} training rows", flush=True)
 
-    tic = time.perf_counter()
-    base = list(args.overrides) + [f"target={args.target}", f"data={merged}"]
-    probe = train(load_config(args.config, base + [f"output_dir={out / 'probe'}", "overwrite=true",
-                                                   f"max_steps={PROBE_STEPS}", f"halt_after_steps={PROBE_STEPS}", "save_every=0",
-                                                   f"max_samples={args.probe_samples}"]))
-    probe_wall = time.perf_counter() - tic
-    step_seconds = probe["train_seconds"] / probe["step"]
-    setup_seconds = probe_wall - probe["train_seconds"]
-    # The run's setup reads and tokenizes all the rows (the probe read probe_samples), then it evaluates and saves.
-    run_setup = setup_seconds * max(1.0, report["train_rows"] / args.probe_samples)
-    loop_budget = 60 * args.train_minutes - probe_wall - run_setup - 20
-    max_steps = max(1, int(0.9 * loop_budget / step_seconds))
-    report["probe"] = {"steps": probe["step"], "step_seconds": round(step_seconds, 4),
-                       "setup_seconds": round(setup_seconds, 1), "loop_budget_seconds": round(loop_budget, 1),
-                       "max_steps": max_steps}
-    print(f"[distill] probe: {json.dumps(report['probe'])}", flush=True)
-
-    run = train(load_config(args.config, base + [f"output_dir={out / 'run'}", f"max_steps={max_steps}",
-                                                 f"max_train_minutes={max(loop_budget, 30) / 60:.3f}"]))
+    base = list(args.overrides) + [f"target={args.target}", f"data={merged}", f"output_dir={out / 'run'}"]
+    run = train_within(args.train_minutes, lambda extra: load_config(args.config, base + [
+        f"{k}={v}" for k, v in extra.items()]), reserve_seconds=20)
     report["run"] = {k: v for k, v in run.items() if k != "history"}
     (out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"[distill] done: {json.dumps(report['run'])}", flush=True)

@@ -120,6 +120,22 @@ def test_time_budget_ends_the_run_with_a_drafter(workspace):
     assert heads.load(workspace["root"] / "budget" / "drafter").kind == "eagle"
 
 
+def test_train_within_a_budget_sizes_the_run_from_the_probe(workspace):
+    from train.budget import train_within
+
+    out = workspace["root"] / "within"
+    values = {"target": workspace["target"], "data": workspace["data"], "output_dir": str(out), "drafter": "eagle",
+              "batch_size": 8, "lr": 3e-3, "eval_fraction": 0.2, "progress_bar": False, "log_every": 0,
+              "warmup_steps": 6, "eval_steps_depth": 2}
+    result = train_within(0.25, lambda extra: load_config(None, {**values, **extra}))
+    budget = result["budget"]
+    assert budget["probe_steps"] == 6 and result["step"] == budget["planned_steps"] > 6
+    # the pace leaves out the first steps: the probe's 6 steps give one over its last 3
+    assert budget["seconds_per_step"] > 0 and "seconds_per_step" in result
+    assert heads.load(out / "drafter").kind == "eagle" and not (out / "checkpoints").exists()
+    assert len(result["history"]) == result["step"]
+
+
 def assert_same_run(folder_a, a, folder_b, b):
     """Weights, history (returned and on disk) and counters of two runs are identical."""
     assert b["history"] == a["history"]

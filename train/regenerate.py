@@ -57,6 +57,22 @@ def read_done_ids(out: Path) -> set[str]:
     return done
 
 
+def merge_files(sources: list[str | Path], dest: str | Path) -> int:
+    """Concatenate regenerated JSONL files into one training file (a last line cut short by a kill is
+    dropped from its file first; a missing source is skipped); returns the rows written."""
+    rows = 0
+    with Path(dest).open("w") as f:
+        for source in map(Path, sources):
+            if not source.exists():
+                continue
+            read_done_ids(source)
+            for line in source.read_text().splitlines():
+                if line.strip():
+                    f.write(line + "\n")
+                    rows += 1
+    return rows
+
+
 def conversation_plan(messages: list[dict]) -> list[dict]:
     """The prompt turns of a conversation with each assistant turn (and a final reply) left empty."""
     plan = [dict(m) for m in messages]

@@ -56,6 +56,7 @@ from train.target import load_target, target_fingerprint  # noqa: E402
 ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 accuracy), not measured by "
                  "speculative decoding")
 RUN_FILES = ("checkpoints", "drafter", "history.jsonl", "result.json")  # what makes an output_dir used
+UNTIMED_STEPS = 3  # optimizer steps left out of the measured pace (result["seconds_per_step"])
 MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, and the run's settings
 # Settings a resumed run may change: they decide logging, evaluation and where files go, not the weights.
 RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
@@ -467,6 +468,10 @@ def train(config: TrainConfig) -> dict:
     bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
     t_train = time.perf_counter()
     out_of_time = False
+    # The pace leaves out the first steps: kernel choice and allocator warm-up make them several times slower
+    # on a GPU, and a budget sized from them would stop far short (train/budget.py).
+    untimed = progress.step + UNTIMED_STEPS
+    t_steady = None
     while progress.step < total_steps and not (result["halted"] or out_of_time):
         batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
                                 accelerator.process_index, accelerator.num_processes)
@@ -483,6 +488,8 @@ def train(config: TrainConfig) -> dict:
             scheduler.step()
             progress.step += 1
             bar.update(1)
+            if progress.step == untimed:
+                t_steady = time.perf_counter()
             record = {"step": progress.step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
                       **{k: float(v) for k, v in logs.items()}}
             progress.history.append(record)
@@ -512,6 +519,8 @@ def train(config: TrainConfig) -> dict:
                 break
         if progress.batch >= usable:
             progress.epoch, progress.batch = progress.epoch + 1, 0
+    if t_steady is not None and progress.step > untimed:
+        result["seconds_per_step"] = round((time.perf_counter() - t_steady) / (progress.step - untimed), 4)
     bar.close()
     if history_file is not None:
         history_file.close()
