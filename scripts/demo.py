@@ -162,7 +162,10 @@ def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
     from train.config import load_config
 
     config_file = ROOT / "configs" / f"smollm2_{kind}.yaml"
-    base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
+    # Online features: a feature cache of thousands of answers would take the whole budget to build, and a few
+    # minutes of steps see each answer about once anyway.
+    base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out),
+            "features": "online"}
     load = lambda extra: load_config(config_file if config_file.is_file() else None, {**base, **extra})  # noqa: E731
     print(f"training {kind}: {config_file.relative_to(ROOT) if config_file.is_file() else 'defaults'} + {base}",
           flush=True)
