@@ -123,6 +123,18 @@ def test_stream_rows_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert calibrate.stream_rows(model) == rows  # read from the cache
 
 
+def test_stream_rows_gives_near_ties_to_the_streamed_kernel():
+    from infer.calibrate import choose_stream_rows
+
+    ms = lambda streamed, onednn: {"streamed": dict(zip((2, 4, 8, 16, 32), streamed, strict=True)),  # noqa: E731
+                                   "onednn": dict(zip((2, 4, 8, 16, 32), onednn, strict=True))}
+    # measured on this project's 2-core Xeon, 2026-11-26 (ms): the 2-row tie once set 0 rows
+    assert choose_stream_rows(ms([27.8, 24.7, 30.1, 42.0, 66.8], [27.5, 29.3, 34.5, 40.2, 79.7])) == 32
+    assert choose_stream_rows(ms([25.6, 23.4, 29.0, 41.0, 62.3], [28.2, 30.0, 35.1, 44.2, 60.0])) == 32
+    assert choose_stream_rows(ms([22.8, 25.0, 31.9, 44.9, 71.8], [31.7, 34.3, 41.5, 46.4, 63.2])) == 16
+    assert choose_stream_rows(ms([35.0, 20.0, 20.0, 20.0, 20.0], [30.0, 30.0, 30.0, 30.0, 30.0])) == 0
+
+
 def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
     import torch.utils.cpp_extension
 

@@ -71,3 +71,12 @@ def test_demo_tree_is_calibrated_where_it_can_be(tmp_path, monkeypatch, capsys):
     demo.choose_tree(target, tokenizer, tmp_path / "few", "depth=3,top_k=2,total_tokens=5", prompts)
     assert (heads.load(tmp_path / "few").config.tree["depth"], json.dumps(heads.load(tmp_path / "few").config.tree)
             .count('"total_tokens": 5')) == (3, 1)
+
+
+def test_training_data_is_the_distilled_answers_then_the_first_shipped_ones(tmp_path):
+    distilled = tmp_path / "distill.jsonl"
+    distilled.write_text('{"id": "d0"}\n{"id": "d1"}\n')
+    data = demo.add_shipped_answers(distilled, 3, tmp_path / "train.jsonl")
+    ids = [json.loads(line)["id"] for line in data.read_text().splitlines()]
+    shipped = [json.loads(line)["id"] for line in demo.SHIPPED_ANSWERS.read_text().splitlines()[:3]]
+    assert ids == ["d0", "d1", *shipped] and len(set(shipped)) == 3

@@ -9,7 +9,7 @@ from train_fixtures import char_tokenizer, conversations, write_alpaca, write_sh
 
 from train.data import build_samples, load_rows
 from train.regenerate import main as regenerate_main
-from train.regenerate import read_done_ids, regenerate
+from train.regenerate import merge_files, read_done_ids, regenerate
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +102,14 @@ def test_several_sampled_answers_per_prompt_resume_by_sample(tmp_path, target):
         by_prompt.setdefault(r["id"].split("#")[0], set()).add(r["messages"][1]["content"])
     # Sampled, not copied: a random tiny model's answers to one prompt differ (where it writes any).
     assert sum(len(answers) > 1 for answers in by_prompt.values()) >= 2
+
+
+def test_merge_files_joins_whole_lines_in_order(tmp_path):
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"id": "1"}\n\n{"id": "2"}\n')
+    b.write_text('{"id": "3"}\n{"id": "4", "mess')  # the second file was cut by a kill mid-line
+    rows = merge_files([a, tmp_path / "missing.jsonl", b], tmp_path / "all.jsonl")
+    assert rows == 3 and [r["id"] for r in read(tmp_path / "all.jsonl")] == ["1", "2", "3"]
 
 
 def test_bad_input(tmp_path, target):
