@@ -168,12 +168,13 @@ def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> Path:
     """Train `kind` on `data` for about `minutes` of wall clock (train/budget.py: a probe of the warm-up steps
     times the pace, then the run resumes with as many steps as fit); the drafter lands in out/drafter.
     Settings come from the project's config for SmolLM2 (configs/smollm2_<kind>.yaml)."""
+    import heads
     from train.budget import train_within
     from train.config import load_config
 
     config_file = ROOT / "configs" / f"smollm2_{kind}.yaml"
     base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
-    if kind in ("eagle", "eagle3"):
+    if heads.get_kind(kind).unrolled:
         # One training-time-test step: a step costs a third as much, so the budget trains three times as many
         # (docs/training.md's sweep: step-0 top-1 0.350 against 0.333 at equal steps, in 2.4 min against
         # 7.1), and on this CPU the calibrated tree drafts one level deep, where only step 0 counts.

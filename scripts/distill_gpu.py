@@ -25,6 +25,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+
 def regenerate(args, sampled: Path) -> dict:
     command = [sys.executable, "-m", "train.regenerate", "--target", args.target, "--data", args.prompts,
                "--out", str(sampled), "--max_samples", str(args.max_prompts), "--samples", str(args.samples),
@@ -73,7 +74,7 @@ def main(argv=None) -> None:
 
     from train.budget import train_within
     from train.config import load_config
-    from train.regenerate import merge_files
+    from train.regenerate import merge_files, read_done_ids
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -83,22 +84,16 @@ def main(argv=None) -> None:
 
     report["regenerate"] = regenerate(args, sampled)
     sources = ([Path(args.greedy)] if args.greedy else []) + [sampled]
-    report["regenerate"]["sampled_answers"] = len(read_ids(sampled))
+    report["regenerate"]["sampled_answers"] = len(read_done_ids(sampled))
     report["train_rows"] = merge_files(sources, merged)
     print(f"[distill] {json.dumps(report['regenerate'])}; {report['train_rows']} training rows", flush=True)
 
-    base = list(args.overrides) + [f"target={args.target}", f"data={merged}", f"output_dir={out / 'run'}"]
+    base = [f"target={args.target}", f"data={merged}", f"output_dir={out / 'run'}", *args.overrides]
     run = train_within(args.train_minutes, lambda extra: load_config(args.config, base + [
         f"{k}={v}" for k, v in extra.items()]), reserve_seconds=20)
     report["run"] = {k: v for k, v in run.items() if k != "history"}
     (out / "distill.json").write_text(json.dumps(report, indent=2) + "\n")
     print(f"[distill] done: {json.dumps(report['run'])}", flush=True)
-
-
-def read_ids(path: Path) -> set[str]:
-    from train.regenerate import read_done_ids
-
-    return read_done_ids(path) if path.exists() else set()
 
 
 if __name__ == "__main__":
