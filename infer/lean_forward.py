@@ -164,9 +164,17 @@ class LeanLayers:
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
     `cpu_linear.PackCache` for larger blocks (None: `F.linear`)."""
 
-    def __init__(self, stream_rows: int, packed: cpu_linear.PackCache | None):
-        self.stream_rows, self.packed = stream_rows, packed
+    def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None):
+        self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 else None
+
+    @classmethod
+    def read_or_refuse(cls, read, model, what: str) -> list:
+        """`read(model)`'s layers, or Unsupported naming this class and `what` it cannot run."""
+        try:
+            return read(model)
+        except Unsupported as reason:
+            raise Unsupported(f"{cls.__name__} cannot run this {what}: {reason}") from None
 
     def _rotary(self, rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
         """The rotary tables for a block, shaped for `_layer`: [B*N, D] for the kernel, [B, 1, N, D] else."""
@@ -231,11 +239,7 @@ class LeanForward(LeanLayers):
     not copies): make a new one when the model may have changed, as the engine does at every call."""
 
     def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
-        try:
-            self.layers = _read(target)
-        except Unsupported as reason:
-            raise Unsupported(f"LeanForward cannot run this target: {reason}") from None
-        super().__init__(stream_rows, packed)
+        super().__init__(self.read_or_refuse(_read, target, "target"), stream_rows, packed)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)

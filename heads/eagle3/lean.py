@@ -51,11 +51,7 @@ class LeanEagle3(LeanLayers):
     logits over the draft vocabulary)."""
 
     def __init__(self, model, stream_rows: int):
-        try:
-            self.layers = read(model)
-        except Unsupported as reason:
-            raise Unsupported(f"LeanEagle3 cannot run this drafter: {reason}") from None
-        super().__init__(stream_rows, None)
+        super().__init__(self.read_or_refuse(read, model, "drafter"), stream_rows, None)
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]
         self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
