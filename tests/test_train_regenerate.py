@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -110,6 +111,17 @@ def test_merge_files_joins_whole_lines_in_order(tmp_path):
     b.write_text('{"id": "3"}\n{"id": "4", "mess')  # the second file was cut by a kill mid-line
     rows = merge_files([a, tmp_path / "missing.jsonl", b], tmp_path / "all.jsonl")
     assert rows == 3 and [r["id"] for r in read(tmp_path / "all.jsonl")] == ["1", "2", "3"]
+
+
+def test_merge_files_reads_gzipped_answers(tmp_path):
+    # distill_gpu's --greedy may name the shipped data/alpaca_smollm2_distill_29k.jsonl.gz; before, its bytes
+    # were read as a damaged JSONL file and refused.
+    shipped, sampled = tmp_path / "shipped.jsonl.gz", tmp_path / "s.jsonl"
+    shipped.write_bytes(gzip.compress(b'{"id": "1"}\n{"id": "2"}\n'))
+    sampled.write_text('{"id": "3"}\n')
+    assert merge_files([shipped, sampled], tmp_path / "all.jsonl") == 3
+    assert [r["id"] for r in read(tmp_path / "all.jsonl")] == ["1", "2", "3"]
+    assert gzip.decompress(shipped.read_bytes()) == b'{"id": "1"}\n{"id": "2"}\n'  # left as it was
 
 
 def test_bad_input(tmp_path, target):

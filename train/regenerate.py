@@ -22,6 +22,7 @@ pays there; the file written is the same, and so is resuming.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import time
 from functools import partial
@@ -59,14 +60,19 @@ def read_done_ids(out: Path) -> set[str]:
 
 def merge_files(sources: list[str | Path], dest: str | Path) -> int:
     """Concatenate regenerated JSONL files into one training file (a last line cut short by a kill is
-    dropped from its file first; a missing source is skipped); returns the rows written."""
+    dropped from its file first; a missing source is skipped; a gzipped one, `.jsonl.gz` like the shipped
+    answers, is a finished file and is copied as it is); returns the rows written."""
     rows = 0
     with Path(dest).open("w") as f:
         for source in map(Path, sources):
             if not source.exists():
                 continue
-            read_done_ids(source)
-            for line in source.read_text().splitlines():
+            if source.suffix == ".gz":
+                text = gzip.decompress(source.read_bytes()).decode()
+            else:
+                read_done_ids(source)
+                text = source.read_text()
+            for line in text.splitlines():
                 if line.strip():
                     f.write(line + "\n")
                     rows += 1
