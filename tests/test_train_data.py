@@ -9,12 +9,14 @@ import pytest
 from train_fixtures import CHATML, char_tokenizer, conversations, write_alpaca, write_messages, write_sharegpt
 
 from train.data import (
+    Sample,
     build_samples,
     collate,
     detect_format,
     epoch_batches,
     load_rows,
     split_samples,
+    token_counts,
     tokenize_conversation,
 )
 
@@ -184,3 +186,11 @@ def test_template_that_rewrites_history_is_rejected():
 def test_missing_file():
     with pytest.raises(ValueError, match="does not exist"):
         load_rows("/nonexistent/data.jsonl")
+
+
+def test_token_counts_counts_trained_tokens_only():
+    samples = [Sample("a", [5, 1, 1, 2], [0, 1, 1, 1]), Sample("b", [5, 5, 3], [1, 0, 0]), Sample("c", [4], [0])]
+    counts = token_counts(samples, 6)
+    assert counts.tolist() == [0, 2, 1, 0, 0, 1]  # 5 is trained once (b) and masked twice; 4 never trained
+    assert token_counts([], 6).tolist() == [0] * 6
+    assert token_counts([Sample("d", [7, 2], [1, 1])], 6).tolist() == [0, 0, 1, 0, 0, 0]  # past the vocab: dropped
