@@ -284,6 +284,40 @@ def test_min_confidence_keeps_greedy_output(threshold):
         assert torch.equal(got, expected)
 
 
+# ---- what a dynamic tree drafts --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("total", [1, 3, 6, 40])
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_dynamic_tree_drafts_only_what_total_tokens_can_keep(kind, total, monkeypatch):
+    from heads.eagle.drafter import EagleDrafter
+
+    t = target()
+    ids = torch.randint(3, 96, (4, 6), generator=torch.Generator().manual_seed(1))
+    out = t(ids, output_hidden_states=True)
+
+    def draft(frontier_size):
+        monkeypatch.setattr(EagleDrafter, "_frontier_size", frontier_size)
+        drafts = peaked(heads.build(kind, t.config)).as_drafter(depth=4, top_k=4, total_tokens=total)
+        drafts.bind(t, SamplingParams(), batch_size=4)
+        drafts.observe(TargetStep(ids, torch.ones_like(ids, dtype=torch.bool),
+                                  tuple(out.hidden_states[i] for i in drafts.feature_layers),
+                                  out.logits[:, -1].argmax(-1)))
+        rows = []
+        step = drafts._draft_step
+        monkeypatch.setattr(drafts, "_draft_step", lambda tokens, *a: rows.append(tokens.shape[1]) or step(tokens, *a))
+        return drafts.propose(torch.full((4,), 10)), rows
+
+    capped = EagleDrafter._frontier_size
+    tree, rows = draft(capped)
+    every, all_rows = draft(lambda self, d, candidates: min(self.tree["top_k"], candidates))  # EAGLE-2 as published
+    for name in ("tokens", "parents", "valid"):
+        assert torch.equal(getattr(tree, name), getattr(every, name)), name
+    torch.testing.assert_close(tree.scores, every.scores)
+    assert all_rows == [4, 4, 4]  # top-4 expanded at depths 1-3
+    assert rows == {1: [], 3: [2, 1], 6: [4, 4, 3], 40: [4, 4, 4]}[total]
+
+
 @pytest.mark.parametrize(("tree", "message"), [
     ({"min_confidence": 1.5}, r"min_confidence must be a number in \[0, 1\)"),
     ({"min_confidence": -0.1}, "min_confidence must be"),

@@ -10,6 +10,9 @@ over the pair (token x_{t+1}, feature f_t) at position t:
   and to its drafted ancestors only. Dynamic mode (EAGLE-2) expands, at every depth, the `top_k` nodes with
   the highest cumulative draft log-probability, `top_k` children each, then keeps the `total_tokens` best
   nodes overall; static mode (EAGLE-1) expands fixed paths of ranks. Drafted slots are rolled back after.
+  A dynamic tree drafts only what the `total_tokens` best could hold (`_frontier_size`): no deeper than
+  `total_tokens`, and at depth d only the best `total_tokens - d` nodes are expanded. The kept tree is the
+  same; for the small trees a CPU calibrates to, the drafter passes run on far fewer rows.
   With `min_confidence`, a dynamic row stops expanding once the best node it could expand next has a
   cumulative draft probability below it: easy rows draft deep, hard rows stop early (their deeper nodes are
   invalid, and drafting ends when every row has stopped). Only the tree changes, never the output.
@@ -124,6 +127,8 @@ class EagleDrafter(HeadDrafter):
             if d == max_depth or not expanding.any():
                 break
             pick = self._next_frontier(d, c_score)  # [B, F'] indices into this depth's children
+            if pick.shape[1] == 0:  # no deeper node could be kept
+                break
             p_from = c_from.gather(1, pick)
             anc = f_anc.gather(1, p_from[..., None].expand(-1, -1, f_anc.shape[2]))
             if f_slot is not None:
@@ -152,8 +157,16 @@ class EagleDrafter(HeadDrafter):
 
     def _next_frontier(self, d: int, c_score: torch.Tensor) -> torch.Tensor:
         if self.static is None:
-            return c_score.topk(min(self.tree["top_k"], c_score.shape[1]), dim=1).indices
+            return c_score.topk(self._frontier_size(d, c_score.shape[1]), dim=1).indices
         return self.static.expand[d].to(c_score.device).expand(c_score.shape[0], -1)
+
+    def _frontier_size(self, d: int, candidates: int) -> int:
+        """How many of the `candidates` depth-d nodes a dynamic tree expands. keep_best keeps a depth-(d+1)
+        node only if fewer than `total_tokens` nodes rank before it, and its d ancestors do, as does every
+        depth-d node scoring at least its parent (a child never scores above its parent, and shallower nodes
+        come first in the stable sort). Below the best `total_tokens - d`, no child could be kept, and from
+        depth `total_tokens` on none at all (0: drafting ends)."""
+        return max(min(self.tree["top_k"], candidates, self.tree["total_tokens"] - d), 0)
 
     def _draft_step(self, tokens, hidden, d: int, ancestors):
         """Run the drafter on frontier nodes at depth d; they see the committed cache and their ancestors."""
