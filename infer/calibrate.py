@@ -389,7 +389,8 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
     """Seconds of one drafting step per tree settings in `trees` on this machine: the drafter (a heads model)
     proposing the tree after a `context`-token prompt, plus observing a step that committed two tokens, run
     as `SelfSpecModel` runs it by default (its lean forward where it has one).
-    Trees drafted alike (dynamic ones differing only in `total_tokens`) are timed once."""
+    Trees drafted alike (dynamic ones differing only in `total_tokens` and drafting the same rows per pass,
+    `pass_rows`) are timed once."""
     prepack = _prepack(target, prepack)
     device = target.device
     context = _fitting_context(target, context, 2 * (repeats + 1) + max(_depth(t) for t in trees) + 1)
@@ -405,11 +406,13 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
         ones = torch.ones_like(ids, dtype=torch.bool)
         prompt = TargetStep(ids, ones, features, out.logits[:, -1].argmax(-1))
         accepted = TargetStep(ids[:, -2:], ones[:, -2:], tuple(h[:, -2:] for h in features), prompt.next_tokens)
+        keys = []
         for tree in trees:
-            key = _draft_key(tree)
+            step = drafter.as_drafter(**tree)
+            key = (_draft_key(tree), step.pass_rows() if hasattr(step, "pass_rows") else ())
+            keys.append(key)
             if key in timed:
                 continue
-            step = drafter.as_drafter(**tree)
             if hasattr(step, "lean_forwards"):  # as SelfSpecModel runs it by default
                 step.lean_forwards(streamed if prepack else None)
             step.bind(target, SamplingParams(), 1)
@@ -417,7 +420,7 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
             if observe is None:
                 observe = _median_seconds(lambda s=step: s.observe(accepted), repeats, device)
             timed[key] = _median_seconds(lambda s=step: s.propose(budget), repeats, device)
-    return [observe + timed[_draft_key(tree)] for tree in trees]
+    return [observe + timed[key] for key in keys]
 
 
 # ---------------------------------------------------------------------------------------------- choice

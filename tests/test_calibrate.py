@@ -318,6 +318,23 @@ def test_dynamic_tree_drafts_only_what_total_tokens_can_keep(kind, total, monkey
     assert rows == {1: [], 3: [2, 1], 6: [4, 4, 3], 40: [4, 4, 4]}[total]
 
 
+def test_draft_costs_times_each_drafting_shape(monkeypatch):
+    # Since the frontier depends on total_tokens, two dynamic trees alike but for it may draft different rows:
+    # each shape is timed, and trees of one shape share the timing.
+    from heads.eagle.drafter import EagleDrafter
+
+    t = target()
+    drafter = heads.build("eagle", t)
+    trees = [{"mode": "dynamic", "depth": 3, "top_k": 4, "total_tokens": n, "min_confidence": 0.0}
+             for n in (2, 3, 40, 64)]
+    assert [drafter.as_drafter(**tree).pass_rows() for tree in trees] == [(1,), (2, 1), (4, 4), (4, 4)]
+    timed = set()
+    propose = EagleDrafter.propose
+    monkeypatch.setattr(EagleDrafter, "propose", lambda self, budget: timed.add(id(self)) or propose(self, budget))
+    costs = calibrate.draft_costs(t, drafter, trees, context=16, repeats=1, prepack=False)
+    assert len(timed) == 3 and costs[2] == costs[3] and len(set(costs[:3])) == 3
+
+
 @pytest.mark.parametrize(("tree", "message"), [
     ({"min_confidence": 1.5}, r"min_confidence must be a number in \[0, 1\)"),
     ({"min_confidence": -0.1}, "min_confidence must be"),

@@ -160,6 +160,20 @@ class EagleDrafter(HeadDrafter):
             return c_score.topk(self._frontier_size(d, c_score.shape[1]), dim=1).indices
         return self.static.expand[d].to(c_score.device).expand(c_score.shape[0], -1)
 
+    def pass_rows(self) -> tuple[int, ...]:
+        """Rows of each drafter pass `propose` runs per batch row after the observe step (the frontier of
+        depths 1, 2, ...), without the early stop: with the context, what a drafting step costs. Dynamic trees
+        that differ only in `total_tokens` may differ here; `infer.calibrate.draft_costs` times each value."""
+        if self.static is not None:
+            return tuple(len(self.static.expand[d]) for d in range(1, self.max_depth))
+        rows, frontier = [], 1
+        for d in range(1, self.max_depth):
+            frontier = self._frontier_size(d, frontier * self.tree["top_k"])
+            if frontier == 0:
+                break
+            rows.append(frontier)
+        return tuple(rows)
+
     def _frontier_size(self, d: int, candidates: int) -> int:
         """How many of the `candidates` depth-d nodes a dynamic tree expands. keep_best keeps a depth-(d+1)
         node only if fewer than `total_tokens` nodes rank before it, and its d ancestors do, as does every
