@@ -33,6 +33,12 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
+def read_text(path: str | Path) -> str:
+    """A text file's contents, gunzipped where its name ends in .gz."""
+    path = Path(path)
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
 def load_rows(source: str, split: str = "train"):
     """A `datasets.Dataset` from a local file or a hub dataset id."""
     import datasets
@@ -44,7 +50,7 @@ def load_rows(source: str, split: str = "train"):
         if not path.is_file():
             raise ValueError(f"data file {source!r} does not exist")
         if suffix != ".parquet":
-            text = gzip.decompress(path.read_bytes()).decode() if gzipped else path.read_text()
+            text = read_text(path)
             if text.strip() in ("", "[]"):
                 raise ValueError(f"the dataset {source!r} is empty")
             check_json(text, source)

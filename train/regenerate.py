@@ -22,7 +22,6 @@ pays there; the file written is the same, and so is resuming.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import time
 from functools import partial
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from .data import detect_format, load_rows, row_name, to_messages
+from .data import detect_format, load_rows, read_text, row_name, to_messages
 
 
 def read_done_ids(out: Path) -> set[str]:
@@ -67,12 +66,9 @@ def merge_files(sources: list[str | Path], dest: str | Path) -> int:
         for source in map(Path, sources):
             if not source.exists():
                 continue
-            if source.suffix == ".gz":
-                text = gzip.decompress(source.read_bytes()).decode()
-            else:
-                read_done_ids(source)
-                text = source.read_text()
-            for line in text.splitlines():
+            if source.suffix != ".gz":
+                read_done_ids(source)  # drops a last line cut short by a kill; a gzipped file is finished
+            for line in read_text(source).splitlines():
                 if line.strip():
                     f.write(line + "\n")
                     rows += 1
