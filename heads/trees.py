@@ -120,7 +120,9 @@ def candidate_trees(measured: dict, max_nodes: int = 64) -> list[Candidate]:
       dynamic: {"mode": "dynamic", "tree": {..., "top_k": K, "depth": D}, "p_rank": [per depth limit d = 1..D:
                P(the node ranked r among nodes no deeper than d by draft score is accepted), r = 0, 1, ...]}
     Static candidates keep the N likeliest paths; dynamic ones keep the drafter's N best-scored nodes of a tree
-    drafted d deep (`total_tokens` = N, `depth` = d)."""
+    drafted d deep (`total_tokens` = N, `depth` = d), for N >= d: N best-scored nodes lie at most N deep (a
+    node scores no higher than its parent), and the drafter stops there, so a tree of N < d nodes is depth
+    N's and is listed once, under that depth."""
     tree = measured["tree"]
     out = []
     if measured["mode"] == "static":
@@ -139,5 +141,6 @@ def candidate_trees(measured: dict, max_nodes: int = 64) -> list[Candidate]:
         most = min(max_nodes, len(p_rank), dynamic_nodes(tree["top_k"], depth))
         for n in range(1, most + 1):
             expected += p_rank[n - 1]
-            out.append(Candidate({**tree, "depth": depth, "total_tokens": n}, n, expected))
+            if n >= depth:
+                out.append(Candidate({**tree, "depth": depth, "total_tokens": n}, n, expected))
     return out
