@@ -30,7 +30,7 @@ def regenerate(args, sampled: Path) -> dict:
     command = [sys.executable, "-m", "train.regenerate", "--target", args.target, "--data", args.prompts,
                "--out", str(sampled), "--max_samples", str(args.max_prompts), "--samples", str(args.samples),
                "--temperature", str(args.temperature), "--top_p", str(args.top_p), "--dtype", args.regen_dtype,
-               "--max_new_tokens", str(args.max_new_tokens)]
+               "--max_new_tokens", str(args.max_new_tokens), "--seed", str(args.seed)]
     tic = time.perf_counter()
     report = {"stopped_by_budget": False, "failed_batch_sizes": []}
     for batch_size in (args.batch_size, max(1, args.batch_size // 4)):  # a smaller batch if the first runs out of memory
@@ -62,6 +62,9 @@ def main(argv=None) -> None:
     parser.add_argument("--samples", type=int, default=5, help="sampled answers per prompt")
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--seed", type=int, default=0,
+                        help="sampling seed; another seed draws other answers to the same prompts (their ids are "
+                             "<id>#k again, like those of seed 0)")
     parser.add_argument("--regen-dtype", default="bfloat16")
     parser.add_argument("--batch-size", type=int, default=2048)
     parser.add_argument("--max-new-tokens", type=int, default=256)

@@ -3,6 +3,7 @@ the greedy ones, then a budgeted training run that leaves a drafter and a report
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -36,3 +37,16 @@ def test_distill_gpu_end_to_end_on_a_tiny_target(tmp_path):
     run = report["run"]
     assert run["budget"]["probe_steps"] == 5 and run["step"] == run["budget"]["planned_steps"] > 5
     assert heads.load(out / "run" / "drafter").kind == "eagle"
+
+
+def test_the_sampling_seed_reaches_regenerate(monkeypatch, tmp_path):
+    # a later GPU session draws new answers to the same prompts with another seed
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import distill_gpu
+
+    commands = []
+    monkeypatch.setattr(distill_gpu.subprocess, "run", lambda command, **_: commands.append(command))
+    args = argparse.Namespace(target="t", prompts="p.json", max_prompts=3, samples=2, temperature=0.7, top_p=0.9,
+                              regen_dtype="float32", max_new_tokens=8, batch_size=4, regen_minutes=1.0, seed=7)
+    distill_gpu.regenerate(args, tmp_path / "sampled.jsonl")
+    assert len(commands) == 1 and commands[0][commands[0].index("--seed") + 1] == "7"
