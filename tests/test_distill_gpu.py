@@ -4,6 +4,7 @@ the greedy ones, then a budgeted training run that leaves a drafter and a report
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -41,8 +42,9 @@ def test_distill_gpu_end_to_end_on_a_tiny_target(tmp_path):
 
 def test_the_sampling_seed_reaches_regenerate(monkeypatch, tmp_path):
     # a later GPU session draws new answers to the same prompts with another seed
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import distill_gpu
+    spec = importlib.util.spec_from_file_location("distill_gpu", ROOT / "scripts" / "distill_gpu.py")
+    distill_gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(distill_gpu)
 
     commands = []
     monkeypatch.setattr(distill_gpu.subprocess, "run", lambda command, **_: commands.append(command))
