@@ -65,6 +65,9 @@ class DrafterConfig(PretrainedConfig):
     # acceptance statistics on held-out prompts (`scripts/calibrate.py --write`), from which the tree is chosen
     # per machine (`SelfSpecModel(..., tree="calibrated")`); see infer/calibrate.py
     calibration: dict | None = None
+    # draft with prompt lookup first (`infer.drafters.LookupFirstDrafter`) unless the user says otherwise: set by
+    # `scripts/calibrate.py --write` where it measured faster on the held-out prompts (`calibration["lookup_first"]`)
+    lookup_first: bool | None = None
 
     # Each kind lists its tree settings and their defaults; unknown keys are an error.
     TREE_DEFAULTS = {}

@@ -29,8 +29,16 @@ def write_model_card(folder, config, kind: str, title: str | None = None) -> str
              f"- model type: `{config.target_model_type}`, hidden size {config.target_hidden_size}, "
              f"vocab size {config.target_vocab_size}, {config.target_num_layers} layers",
              f"- tokenizer fingerprint: `{config.tokenizer_fingerprint or 'not recorded'}`", "",
-             "## Drafting", "", "```json", json.dumps(config.tree, indent=2, default=list), "```", "",
-             "## Training", ""]
+             "## Drafting", "", "```json", json.dumps(config.tree, indent=2, default=list), "```", ""]
+    lookup = (config.calibration or {}).get("lookup_first")
+    if lookup and config.lookup_first is not None:
+        speeds = ", ".join(f"{way.replace('_', ' ')} {lookup[way]['tokens_per_second']:.1f} tokens/s"
+                           for way in ("alone", "lookup_first"))
+        lines += [f"Prompt lookup first is {'on' if config.lookup_first else 'off'} by default (`lookup_first` in "
+                  f"config.json): with this tree on {lookup['prompts']} held-out prompts, {speeds} "
+                  f"({lookup['device']}, {lookup['threads']} threads). `SelfSpecModel(..., lookup_first=...)` "
+                  "overrides it.", ""]
+    lines += ["## Training", ""]
     if config.training:
         lines += [f"- {k}: {v}" for k, v in config.training.items()]
     else:

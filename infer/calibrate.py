@@ -15,6 +15,9 @@ are measured apart:
    (`$SELFSPEC_CACHE/calibration`, default ~/.cache/selfspec/calibration).
 3. choice (`heads.trees.candidate_trees`, `best_prediction`): for every tree of N = 1..64 nodes the
    statistics predict E[accepted], and the one with the highest predicted tokens/s wins.
+4. prompt lookup first (`measure_lookup_first`): the chosen tree generates the prompts alone and with prompt
+   lookup first, timed, interleaved; `--write` records whether lookup first was faster in the drafter's
+   `config.lookup_first`, the default `SelfSpecModel` follows.
 
 `SelfSpecModel(target, drafter, tree="calibrated")` runs 2 and 3 on first use (`calibrated_tree`) and
 caches the choice, so a drafter calibrated once picks its tree again on every machine it runs on. A
@@ -238,10 +241,41 @@ def measure_acceptance(target, drafter, prompts: list[torch.Tensor], tree: dict,
                          f"with total_tokens >= max_nodes")
     recorder = AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"), max_nodes=max_nodes)
     model = SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=tree, cpu_prepack=prepack,
-                          step_observer=recorder)
+                          lookup_first=False, step_observer=recorder)
     for ids in prompts:
         model.generate(ids, max_new_tokens=max_new_tokens)
     return {**recorder.statistics(), "tree": tree}
+
+
+def measure_lookup_first(target, drafter, prompts: list[torch.Tensor], tree: dict, *, max_new_tokens: int = 64,
+                         tokenizer=None, prepack: bool | None = None) -> dict:
+    """Whether prompt lookup first (`infer.drafters.LookupFirstDrafter`) makes `drafter` (a heads model)
+    drafting `tree` faster on this machine: greedy generation of every prompt both ways, interleaved prompt
+    by prompt with the order alternating, after a warm-up of each. Returns per way the new tokens, target
+    forwards and seconds, and `pays`: lookup first made more tokens a second. Unlike the tree, this is a
+    timing of whole generations, so it holds for the machine it ran on."""
+    if not prompts:
+        raise ValueError("measuring prompt lookup first needs at least one held-out prompt")
+    models = {way: SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=tree, cpu_prepack=prepack,
+                                 lookup_first=way == "lookup_first") for way in ("alone", "lookup_first")}
+    totals = {way: {"new_tokens": 0, "target_forwards": 0, "seconds": 0.0} for way in models}
+    for model in models.values():
+        model.generate(prompts[0], max_new_tokens=min(8, max_new_tokens))
+    for i, ids in enumerate(prompts):
+        for way in sorted(models, reverse=i % 2 == 1):
+            _sync(target.device)
+            tic = time.perf_counter()
+            models[way].generate(ids, max_new_tokens=max_new_tokens)
+            _sync(target.device)
+            stats = models[way].last_stats
+            totals[way]["seconds"] += time.perf_counter() - tic
+            totals[way]["new_tokens"] += stats["new_tokens"]
+            totals[way]["target_forwards"] += stats["target_forwards"]
+    for entry in totals.values():
+        entry["tokens_per_second"] = entry["new_tokens"] / entry["seconds"]
+    pays = totals["lookup_first"]["tokens_per_second"] > totals["alone"]["tokens_per_second"]
+    return {**totals, "pays": pays, "tree": tree, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
+            "device": device_name(target.device), "threads": torch.get_num_threads()}
 
 
 # ---------------------------------------------------------------------------------------------- costs
@@ -459,19 +493,28 @@ def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None 
                                 repeats=repeats, prepack=prepack)
 
 
-def write_calibration(folder, drafter, calibration: dict, tree: dict) -> None:
+def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_first: dict | None = None) -> None:
     """Store the chosen tree and the acceptance statistics in the saved drafter at `folder`: its config.json
     (the weights are unchanged) and its model card. Later loads draft with that tree, and `tree="calibrated"`
-    chooses again from the statistics on another machine."""
+    chooses again from the statistics on another machine. `lookup_first`, a `measure_lookup_first` result,
+    is stored beside the statistics and sets `config.lookup_first`, which `SelfSpecModel` follows unless told
+    otherwise."""
     import heads
     from heads.card import write_model_card
 
     config = drafter.config
     config.tree = config.resolve_tree({**config.tree, **tree})
+    if lookup_first is not None:
+        calibration = {**calibration, "lookup_first": lookup_first}
+        config.lookup_first = bool(lookup_first["pays"])
     config.calibration = calibration
-    config.save_pretrained(folder)
+    # the weights in the folder keep their dtype (a drafter stored in fp16 may have been loaded in fp32)
+    saved = copy.deepcopy(config)
+    stored = json.loads((Path(folder) / "config.json").read_text()).get("dtype")
+    saved.dtype = stored or config.dtype
+    saved.save_pretrained(folder)
     registered = heads.REGISTRY.get(drafter.kind)
-    write_model_card(folder, config, kind=drafter.kind, title=registered.title if registered else None)
+    write_model_card(folder, saved, kind=drafter.kind, title=registered.title if registered else None)
 
 
 def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = None, max_nodes: int | None = None,

@@ -52,13 +52,15 @@ def verify_bucket(nodes: int) -> int:
     return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
 
 
-def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False, tree: dict | None = None) -> Drafter:
+def as_drafter(drafter, target, tokenizer=None, lookup_first: bool | None = None,
+               tree: dict | None = None) -> Drafter:
     """Turn what the user passed into a `Drafter`: a name from `infer.drafters.DRAFTERS` ("ngram", "gguf",
     "int8", "early_exit:8", ...), a heads model, a draft LM, or a Drafter.
 
     With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with. With
-    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead. `tree` overrides
-    a heads drafter's saved tree settings."""
+    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead; None = what a heads
+    drafter's config says (`scripts/calibrate.py --write` measures it), off for any other drafter. `tree`
+    overrides a heads drafter's saved tree settings."""
     if tree is not None and not hasattr(drafter, "as_drafter"):
         raise ValueError(f"tree= sets the drafting tree of a trained drafter (heads model); a "
                          f"{type(drafter).__name__} has none: drop tree=")
@@ -74,6 +76,8 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool = False, tree
                               "not be found to compare; pass tokenizer= to SelfSpecModel", stacklevel=3)
         drafter.attach(target, tokenizer)
         out = drafter.as_drafter(**(tree or {}))
+        if lookup_first is None:
+            lookup_first = bool(drafter.config.lookup_first)
     elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
         out = DraftModelDrafter(drafter)
     else:
@@ -185,11 +189,13 @@ class SelfSpecModel:
     """
 
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
-                 cpu_prepack: bool | None = None, lookup_first: bool = False, compile: bool = False,
+                 cpu_prepack: bool | None = None, lookup_first: bool | None = None, compile: bool = False,
                  static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
                  lean_verify: bool | None = None):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
-        itself, the drafter elsewhere). `cpu_prepack`: run multi-row matmuls of target and drafter on
+        itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
+        `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
+        `cpu_prepack`: run multi-row matmuls of target and drafter on
         prepacked oneDNN weights (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes
         where it measured faster on this machine (`infer.calibrate.stream_rows`, timed once per machine and
         cached); None = on for an fp32 CPU target whose linear weights take at most a quarter of RAM (off for

@@ -6,7 +6,8 @@ question so that every method sees the same machine state:
 
     baseline   target.generate(do_sample=False)                       -- transformers greedy
     pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
-    <drafter>  SelfSpecModel(target, drafter).generate(...)            -- one per --drafter
+    <drafter>  SelfSpecModel(target, drafter, lookup_first=False).generate(...) -- one per --drafter: the
+                       drafter alone, even where its config makes prompt lookup first its default
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
     oracle:<alpha>     SelfSpecModel drafting the baseline's own answer, each token wrong with probability
                        1 - alpha (`--oracle`): acceptance is set, drafting is free, so tokens/s against the

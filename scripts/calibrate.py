@@ -5,7 +5,9 @@ node of it is accepted; this machine's verify forward is timed for 1..64 drafted
 step for every candidate tree. The table gives, per tree size N, the expected accepted drafts per step,
 the costs and the predicted tokens/s = (1 + E_acc) / (draft + verify); the best tree is printed, and with
 --write stored in the drafter's config.json with the statistics, which `SelfSpecModel(..., tree=
-"calibrated")` uses to choose the tree again on another machine. Greedy output does not depend on the tree.
+"calibrated")` uses to choose the tree again on another machine. Then the chosen tree generates the prompts
+alone and with prompt lookup first, timed and interleaved; with --write, whether lookup first was faster is
+stored as the drafter's default (`lookup_first` in config.json). Greedy output depends on neither.
 
     python scripts/calibrate.py --drafter runs/demo/drafter --prompts held_out.jsonl --write
 """
@@ -21,7 +23,8 @@ import torch
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--drafter", required=True, help="a saved drafter folder (Medusa, EAGLE, EAGLE-3)")
+    parser.add_argument("--drafter", required=True,
+                        help="a saved drafter folder (Medusa, EAGLE, EAGLE-3) or a shipped drafter's name")
     parser.add_argument("--prompts", required=True,
                         help="held-out prompts, not seen in training: .jsonl (one JSON string or object with "
                              "'turns', 'prompt' or 'instruction' per line) or a .json array of them")
@@ -39,28 +42,38 @@ def main(argv=None) -> int:
     parser.add_argument("--context", type=int, default=256, help="context length the costs are timed at")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per cost (median)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--no-lookup-first", action="store_true",
+                        help="do not measure prompt lookup first (with --write, the drafter's default is kept)")
     parser.add_argument("--write", action="store_true",
                         help="store the chosen tree and the statistics in the drafter's config.json")
     args = parser.parse_args(argv)
 
     import heads
     from heads.trees import best_prediction
-    from infer.calibrate import calibrate, encode_prompts, load_prompts, write_calibration
+    from infer.calibrate import (
+        calibrate,
+        encode_prompts,
+        load_prompts,
+        measure_lookup_first,
+        write_calibration,
+    )
     from infer.embedded import resolve_target
 
     prompts = load_prompts(args.prompts)  # bad input fails here, before any model loads
     if args.limit:
         prompts = prompts[: args.limit]
-    if args.write and not Path(args.drafter).is_dir():
+    folder = Path(heads.resolve_drafter(args.drafter))  # a shipped drafter's name is its folder
+    if args.write and not folder.is_dir():
         raise SystemExit(f"--write updates a local drafter folder; {args.drafter} is not one")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
-    drafter = heads.load(args.drafter)
+    drafter = heads.load(args.drafter)  # by name, a shipped drafter runs in fp32
     name = args.target or drafter.config.base_model_name_or_path
     if not name:
         raise SystemExit(f"{args.drafter} records no target; pass --target")
     target, tokenizer = resolve_target(name)
+    ids = encode_prompts(tokenizer, prompts)
     calibration, predictions = calibrate(
-        target, drafter, encode_prompts(tokenizer, prompts), mode=args.mode, top_k=args.top_k, depth=args.depth,
+        target, drafter, ids, mode=args.mode, top_k=args.top_k, depth=args.depth,
         wide=args.wide, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens, context=args.context,
         repeats=args.repeats, tokenizer=tokenizer)
     best = best_prediction(predictions)
@@ -70,9 +83,18 @@ def main(argv=None) -> int:
     print(table(predictions, best))
     print(f"best: {best.candidate.nodes} nodes, {describe(best.candidate.tree)}, predicted "
           f"{best.tokens_per_second:.1f} tokens/s")
+    lookup = None
+    if not args.no_lookup_first:
+        lookup = measure_lookup_first(target, drafter, ids, best.candidate.tree, max_new_tokens=args.max_new_tokens,
+                                      tokenizer=tokenizer)
+        alone, first = lookup["alone"], lookup["lookup_first"]
+        print(f"with this tree: alone {alone['tokens_per_second']:.1f} tokens/s (tau "
+              f"{alone['new_tokens'] / alone['target_forwards']:.2f}), prompt lookup first "
+              f"{first['tokens_per_second']:.1f} tokens/s (tau {first['new_tokens'] / first['target_forwards']:.2f}): "
+              f"lookup first {'pays' if lookup['pays'] else 'does not pay'}")
     if args.write:
-        write_calibration(args.drafter, drafter, calibration, best.candidate.tree)
-        print(f"wrote the tree and the statistics to {Path(args.drafter) / 'config.json'}")
+        write_calibration(folder, drafter, calibration, best.candidate.tree, lookup)
+        print(f"wrote the tree and the statistics to {folder / 'config.json'}")
     return 0
 
 

@@ -4,7 +4,7 @@
     2. distill    the target answers the shipped prompts (data/demo_prompts.jsonl) itself, batched greedy
     3. train      a drafter on those answers and 400 of the target's answers shipped in data/, within a
                   wall-clock budget, then choose its drafting tree for this machine on prompts it never
-                  saw (scripts/calibrate.py's measurement, about 2 min)
+                  saw, and whether prompt lookup first pays (scripts/calibrate.py's measurements, about 3 min)
     4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
                   lookup, the trained drafter and the shipped one (heads/shipped/), each alone and with
                   prompt lookup first; every greedy output checked equal
@@ -128,16 +128,22 @@ def choose_tree(target, tokenizer, drafter_dir: Path, tree: str, unused: list[di
 def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[dict],
                    max_new_tokens: int = 64) -> dict:
     """Measure `drafter`'s acceptance on `prompts` and this machine's costs, and save the tree that
-    maximizes the predicted tokens/s into its folder (what `scripts/calibrate.py --write` does)."""
+    maximizes the predicted tokens/s into its folder, with whether prompt lookup first made that tree faster
+    on the same prompts (what `scripts/calibrate.py --write` does)."""
     from heads.trees import best_prediction
-    from infer.calibrate import calibrate, encode_prompts, write_calibration
+    from infer.calibrate import calibrate, encode_prompts, measure_lookup_first, write_calibration
 
     ids = encode_prompts(tokenizer, [q["turns"][0] for q in prompts])
     calibration, predictions = calibrate(target, drafter, ids, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
     best = best_prediction(predictions)
-    write_calibration(drafter_dir, drafter, calibration, best.candidate.tree)
+    lookup = measure_lookup_first(target, drafter, ids, best.candidate.tree, max_new_tokens=max_new_tokens,
+                                  tokenizer=tokenizer)
+    write_calibration(drafter_dir, drafter, calibration, best.candidate.tree, lookup)
+    speeds = {way: lookup[way]["tokens_per_second"] for way in ("alone", "lookup_first")}
     print(f"drafting tree calibrated on {len(prompts)} unused prompts: {best.candidate.nodes} nodes "
-          f"({best.candidate.tree}), predicted {best.tokens_per_second:.1f} tokens/s here", flush=True)
+          f"({best.candidate.tree}), predicted {best.tokens_per_second:.1f} tokens/s here; measured "
+          f"{speeds['alone']:.1f} tokens/s alone and {speeds['lookup_first']:.1f} with prompt lookup first, which "
+          f"is {'now' if lookup['pays'] else 'not'} the drafter's default", flush=True)
     return best.candidate.tree
 
 

@@ -90,7 +90,7 @@ def measure_tau(name: str, args, target, tokenizer, prompts) -> dict:
     from infer import SelfSpecModel
 
     drafter = heads.load(args.out / name / "drafter")
-    model = SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=dict(FIXED_TREE))
+    model = SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=dict(FIXED_TREE), lookup_first=False)
     new_tokens = forwards = 0
     tic = time.perf_counter()
     for ids in prompts:

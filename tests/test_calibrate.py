@@ -24,6 +24,7 @@ from heads.trees import (
     ranked_paths,
 )
 from infer import calibrate
+from infer.drafters import LookupFirstDrafter
 from infer.drafting import TargetStep
 from infer.engine import SelfSpecModel
 from infer.sampling import SamplingParams
@@ -391,18 +392,23 @@ def test_missing_prompt_file_fails_before_loading_models(tmp_path):
         calibrate_script().main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
 
 
-def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch, capsys):
+def saved_target(folder: Path):
+    """The tiny target saved in `folder` with a word-level tokenizer over its ids w3..w95."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
     words = Tokenizer(models.WordLevel({"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, 96)}},
                                        unk_token="<pad>"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>")
     t = target()
-    t.save_pretrained(tmp_path / "target")
-    tokenizer.save_pretrained(tmp_path / "target")
+    t.save_pretrained(folder)
+    PreTrainedTokenizerFast(tokenizer_object=words, pad_token="<pad>").save_pretrained(folder)
+    return t
+
+
+def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    t = saved_target(tmp_path / "target")
     heads.build("eagle", t).save_pretrained(tmp_path / "drafter")
     prompts_file = tmp_path / "held_out.jsonl"
     prompts_file.write_text("".join(json.dumps(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(6))) + "\n"
@@ -420,6 +426,57 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
     expected = t.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
     model = SelfSpecModel(t, saved, tree="calibrated")
     assert torch.equal(model.generate(ids, max_new_tokens=10, eos_token_id=[]), expected)
+    lookup = saved.config.calibration["lookup_first"]
+    assert saved.config.resolve_tree(lookup["tree"]) == chosen and lookup["prompts"] == 3
+    assert saved.config.lookup_first is lookup["pays"]
+    assert ("lookup first pays" if lookup["pays"] else "lookup first does not pay") in printed
+    assert isinstance(model.drafter, LookupFirstDrafter) is lookup["pays"]
+
+
+def test_script_can_leave_lookup_first_unmeasured(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "cache"))
+    heads.build("eagle3", saved_target(tmp_path / "target")).save_pretrained(tmp_path / "drafter")
+    prompts_file = tmp_path / "held_out.jsonl"
+    prompts_file.write_text(json.dumps("w5 w6 w7 w8 w9 w10") + "\n")
+    calibrate_script().main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+                             str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
+                             "--context", "16", "--repeats", "1", "--threads", "1", "--no-lookup-first", "--write"])
+    assert "lookup first" not in capsys.readouterr().out
+    saved = heads.load(tmp_path / "drafter")
+    assert saved.config.lookup_first is None and "lookup_first" not in saved.config.calibration
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
+def test_lookup_first_is_measured_both_ways_on_the_same_output(kind, monkeypatch):
+    t = target()
+    drafter = peaked(heads.build(kind, t))
+    ids = prompts(3)
+    steps = []
+    propose = LookupFirstDrafter.propose
+    monkeypatch.setattr(LookupFirstDrafter, "propose", lambda self, budget: steps.append(1) or propose(self, budget))
+    result = calibrate.measure_lookup_first(t, drafter, ids, drafter.config.tree, max_new_tokens=12)
+    alone, first = result["alone"], result["lookup_first"]
+    assert alone["new_tokens"] == first["new_tokens"] == 3 * 12  # greedy: the same tokens either way
+    assert len(steps) >= first["target_forwards"] - 3  # every drafting step of that way went through lookup
+    for entry in (alone, first):
+        assert entry["tokens_per_second"] == entry["new_tokens"] / entry["seconds"]
+    assert result["pays"] is (first["tokens_per_second"] > alone["tokens_per_second"])
+    with pytest.raises(ValueError, match="at least one held-out prompt"):
+        calibrate.measure_lookup_first(t, drafter, [], drafter.config.tree)
+
+
+def test_the_drafters_lookup_first_is_the_default_the_user_can_override(tmp_path):
+    t = target()
+    drafter = heads.build("eagle3", t)
+    assert not isinstance(SelfSpecModel(t, drafter).drafter, LookupFirstDrafter)  # unset: off
+    drafter.config.lookup_first = True
+    drafter.save_pretrained(tmp_path / "drafter")
+    saved = heads.load(tmp_path / "drafter")
+    assert isinstance(SelfSpecModel(t, saved).drafter, LookupFirstDrafter)
+    assert not isinstance(SelfSpecModel(t, saved, lookup_first=False).drafter, LookupFirstDrafter)
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]])
+    expected = t.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(SelfSpecModel(t, saved).generate(ids, max_new_tokens=12, eos_token_id=[]), expected)
 
 
 def test_a_shallow_chosen_tree_does_not_narrow_the_next_measurement():
@@ -431,3 +488,18 @@ def test_a_shallow_chosen_tree_does_not_narrow_the_next_measurement():
     assert calibrate.wide_tree(config, depth=2)["depth"] == 2  # unless asked
     config.calibration = None
     assert calibrate.wide_tree(config)["depth"] == 1
+
+
+def test_writing_keeps_the_stored_weights_dtype(tmp_path):
+    t = target()
+    heads.build("eagle3", t).half().save_pretrained(tmp_path / "drafter")
+    drafter = heads.load(tmp_path / "drafter", dtype=torch.float32)  # as a shipped drafter loads by name
+    lookup = {"pays": True, "alone": {"tokens_per_second": 40.0}, "lookup_first": {"tokens_per_second": 44.0},
+              "prompts": 16, "device": "a CPU", "threads": 2}
+    calibrate.write_calibration(tmp_path / "drafter", drafter, {"measured": []}, {"depth": 2}, lookup)
+    stored = json.loads((tmp_path / "drafter" / "config.json").read_text())
+    assert stored["dtype"] == "float16" and stored["lookup_first"] is True and stored["tree"]["depth"] == 2
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert "Prompt lookup first is on by default" in card and "lookup first 44.0 tokens/s" in card
+    assert drafter.config.lookup_first is True and drafter.config.tree["depth"] == 2  # in memory too
+    assert heads.load(tmp_path / "drafter").dtype == torch.float16

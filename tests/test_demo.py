@@ -52,8 +52,11 @@ def test_demo_tree_is_calibrated_where_it_can_be(tmp_path, monkeypatch, capsys):
 
     demo.choose_tree(target, tokenizer, tmp_path / "eagle3", "calibrated", prompts[:8])
     saved = heads.load(tmp_path / "eagle3")
-    assert saved.config.calibration["prompts"] == 8 and "calibrated on 8 unused prompts" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert saved.config.calibration["prompts"] == 8 and "calibrated on 8 unused prompts" in printed
     assert saved.config.tree["total_tokens"] <= 64
+    pays = saved.config.calibration["lookup_first"]["pays"]
+    assert saved.config.lookup_first is pays and f"which is {'now' if pays else 'not'} the drafter's default" in printed
     ids = torch.tensor([[5, 6, 7, 8]])
     expected = target.generate(ids, do_sample=False, max_new_tokens=10, eos_token_id=None, pad_token_id=0)
     assert torch.equal(SelfSpecModel(target, saved).generate(ids, max_new_tokens=10, eos_token_id=[]), expected)
