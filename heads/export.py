@@ -136,7 +136,7 @@ def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
 
 def _selfspec_block(c, **extra) -> dict:
     keys = ("base_model_name_or_path", "target_model_type", "target_hidden_size", "target_vocab_size",
-            "target_num_layers", "tokenizer_fingerprint", "tree", "training", "metrics", "calibration")
+            "target_num_layers", "tokenizer_fingerprint", "tree", "training", "metrics", "calibration", "lookup_first")
     return {**{k: getattr(c, k) for k in keys}, **extra}
 
 

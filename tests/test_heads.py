@@ -466,6 +466,7 @@ def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
     the rest plain layers over the hidden state: the reimport drafts the same."""
     target = target_for("llama")
     drafter = perturb(heads.build("eagle3", target, num_layers=2))
+    drafter.config.lookup_first = True  # what calibration measured travels in the selfspec block
     export_speculators(drafter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["transformer_layer_config"]["num_hidden_layers"] == 2
@@ -474,7 +475,7 @@ def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
     assert shapes["layers.0.self_attn.q_proj.weight"][1] == 64 and shapes["layers.1.self_attn.q_proj.weight"][1] == 32
     assert "layers.1.hidden_norm.weight" not in shapes and "layers.1.mlp.down_proj.weight" in shapes
     reimported = import_speculators(tmp_path)
-    assert reimported.config.num_layers == 2
+    assert reimported.config.num_layers == 2 and reimported.config.lookup_first is True
     ids = torch.randint(3, 96, (2, 5))
     hidden, logits = run(reimported.attach(target), target, ids)
     ref_hidden, ref_logits = run(drafter.attach(target), target, ids)
