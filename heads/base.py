@@ -75,6 +75,9 @@ class DrafterConfig(PretrainedConfig):
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
         self.tree = self.resolve_tree(self.tree)
+        if self.lookup_first not in (None, True, False):
+            raise ValueError(f"lookup_first must be true, false or null (unset), got {self.lookup_first!r}; "
+                             "scripts/calibrate.py --write measures and sets it")
 
     def resolve_tree(self, tree: dict | None) -> dict:
         tree = dict(tree or {})

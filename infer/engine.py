@@ -195,11 +195,12 @@ class SelfSpecModel:
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
         `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
-        `cpu_prepack`: run multi-row matmuls of target and drafter on
-        prepacked oneDNN weights (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes
-        where it measured faster on this machine (`infer.calibrate.stream_rows`, timed once per machine and
-        cached); None = on for an fp32 CPU target whose linear weights take at most a quarter of RAM (off for
-        the target when its verify is compiled).
+
+        `cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights
+        (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes where it measured faster on
+        this machine (`infer.calibrate.stream_rows`, timed once per machine and cached); None = on for an fp32
+        CPU target whose linear weights take at most a quarter of RAM (off for the target when its verify is
+        compiled).
 
         `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or
         "calibrated": the tree that maximizes predicted tokens/s on this machine, from the acceptance

@@ -141,6 +141,8 @@ def test_build_rejects_unknown_kind_and_options():
         heads.build("medusa", config, num_hedas=3)
     with pytest.raises(ValueError, match="unknown tree settings"):
         heads.build("eagle", config, tree={"depht": 3})
+    with pytest.raises(ValueError, match="lookup_first must be true, false or null"):
+        heads.build("eagle3", config, lookup_first="yes")
     with pytest.raises(ValueError, match="deeper than num_heads"):
         heads.build("medusa", config, num_heads=2, tree={"paths": [[0], [0, 0], [0, 0, 0]]})
     with pytest.raises(ValueError, match="feature_layers"):
