@@ -334,6 +334,23 @@ def test_drafter_that_does_not_fit_the_target(workspace, tmp_path):
         run(workspace, "fit_kind", drafter="medusa", drafter_init=small["drafter_dir"], max_steps=1)
 
 
+def test_continued_training_does_not_inherit_the_starting_drafters_measurements(workspace):
+    first = run(workspace, "init_first", drafter="eagle3", max_steps=1)
+    start = heads.load(first["drafter_dir"])
+    start.config.calibration = {"measured": [{"mode": "dynamic"}], "prompts": 16}
+    start.config.lookup_first = True
+    start.config.training = {**start.config.training, "command": "the first run's command"}
+    start.save_pretrained(first["drafter_dir"])
+    later = heads.load(run(workspace, "init_later", drafter="eagle3", drafter_init=first["drafter_dir"],
+                           max_steps=1)["drafter_dir"])
+    assert later.config.calibration is None and later.config.lookup_first is None
+    assert "command" not in later.config.training and later.config.training["steps"] == 1
+    origin = later.config.training["initialized_from"]
+    assert origin["drafter"] == str(first["drafter_dir"]) and origin["training"]["command"] == "the first run's command"
+    assert later.config.metrics is not None and "initialized_from" not in later.config.metrics
+    assert heads.load(first["drafter_dir"]).config.lookup_first is True  # the starting drafter is left as it was
+
+
 def test_unknown_drafter_option(workspace):
     with pytest.raises(ValueError, match="unknown eagle options"):
         run(workspace, "bad_option", drafter="eagle", drafter_options={"num_heads": 3}, max_steps=1)

@@ -104,6 +104,13 @@ def make_drafter(config: TrainConfig, target, tokenizer, train_set):
                              f"config says drafter: {config.drafter}")
         drafter.check_target(target, tokenizer)
         drafter.attach(target, tokenizer)
+        # What was measured on or recorded for the starting weights does not describe the trained ones: its
+        # provenance moves under initialized_from, and its calibration (tree statistics, the lookup-first
+        # default) and metrics are dropped, so calibrate the new drafter again (scripts/calibrate.py --write).
+        c = drafter.config
+        c.training = {"initialized_from": {"drafter": str(config.drafter_init), "training": c.training,
+                                           "metrics": c.metrics}}
+        c.calibration, c.lookup_first, c.metrics = None, None, None
         return drafter.to(target.device)
     drafter = heads.build(config.drafter, target, tokenizer=tokenizer, **config.drafter_options)
     # The name the user gave (a short name, hub id or folder), not the folder it resolved to.
