@@ -5,7 +5,7 @@
     3. train      a drafter on those answers and 400 of the target's answers shipped in data/, within a
                   wall-clock budget, then choose its drafting tree for this machine on prompts it never
                   saw (scripts/calibrate.py's measurement, about 2 min) and time whether prompt lookup
-                  first pays with it on the same prompts (about 40 s)
+                  first pays with it on the same prompts (under a minute)
     4. benchmark  on held-out prompts the drafter never saw: transformers greedy, transformers prompt
                   lookup, the trained drafter and the shipped one (heads/shipped/), each alone and with
                   prompt lookup first; every greedy output checked equal
