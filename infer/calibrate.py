@@ -28,6 +28,7 @@ tree. Greedy output never depends on the tree; only the speed does.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import json
 import os
@@ -263,12 +264,9 @@ def measure_lookup_first(target, drafter, prompts: list[torch.Tensor], tree: dic
         model.generate(prompts[0], max_new_tokens=min(8, max_new_tokens))
     for i, ids in enumerate(prompts):
         for way in sorted(models, reverse=i % 2 == 1):
-            _sync(target.device)
-            tic = time.perf_counter()
-            models[way].generate(ids, max_new_tokens=max_new_tokens)
-            _sync(target.device)
+            run = functools.partial(models[way].generate, ids, max_new_tokens=max_new_tokens)
+            totals[way]["seconds"] += _seconds(run, target.device)
             stats = models[way].last_stats
-            totals[way]["seconds"] += time.perf_counter() - tic
             totals[way]["new_tokens"] += stats["new_tokens"]
             totals[way]["target_forwards"] += stats["target_forwards"]
     for entry in totals.values():
@@ -510,7 +508,8 @@ def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_fir
     config.calibration = calibration
     # the weights in the folder keep their dtype (a drafter stored in fp16 may have been loaded in fp32)
     saved = copy.deepcopy(config)
-    stored = json.loads((Path(folder) / "config.json").read_text()).get("dtype")
+    existing = Path(folder) / "config.json"
+    stored = json.loads(existing.read_text()).get("dtype") if existing.is_file() else None
     saved.dtype = stored or config.dtype
     saved.save_pretrained(folder)
     registered = heads.REGISTRY.get(drafter.kind)
@@ -623,14 +622,19 @@ def _median_seconds(fn, repeats: int, device: torch.device, after=None) -> float
     """Median seconds of `fn()` over `repeats` runs after a warm-up; `after()`, untimed, follows each run."""
     times = []
     for _ in range(repeats + 1):  # the first run is a warm-up
-        _sync(device)
-        tic = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - tic)
+        times.append(_seconds(fn, device))
         if after is not None:
             after()
     return statistics.median(times[1:])
+
+
+def _seconds(fn, device: torch.device) -> float:
+    """Seconds of one `fn()`, the device synchronized before and after."""
+    _sync(device)
+    tic = time.perf_counter()
+    fn()
+    _sync(device)
+    return time.perf_counter() - tic
 
 
 def _sync(device: torch.device) -> None:
