@@ -35,6 +35,7 @@ import os
 import platform
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -489,6 +490,39 @@ def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None 
                    "max_nodes": max_nodes}
     return calibration, predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
                                 repeats=repeats, prepack=prepack)
+
+
+@dataclass
+class Choice:
+    """What calibrating a drafter found (`choose`): the statistics for `config.calibration`, every candidate
+    tree's prediction, the fastest of them, and that tree timed alone and with prompt lookup first
+    (`measure_lookup_first`'s result; None when not measured)."""
+
+    calibration: dict
+    predictions: list[Prediction]
+    best: Prediction
+    lookup_first: dict | None
+
+    @property
+    def tree(self) -> dict:
+        return self.best.candidate.tree
+
+    def write(self, folder, drafter) -> None:
+        """Store it in the saved drafter at `folder` (`write_calibration`)."""
+        write_calibration(folder, drafter, self.calibration, self.tree, self.lookup_first)
+
+
+def choose(target, drafter, prompts: list[torch.Tensor], *, lookup_first: bool = True, max_new_tokens: int = 64,
+           tokenizer=None, prepack: bool | None = None, **options) -> Choice:
+    """Steps 1-4 of this module for `drafter` on held-out `prompts`: `calibrate` (its keyword `options` too),
+    the tree with the highest predicted tokens/s, and, with `lookup_first`, that tree timed alone and with
+    prompt lookup first. `scripts/calibrate.py` and `make demo` calibrate through this."""
+    calibration, predictions = calibrate(target, drafter, prompts, max_new_tokens=max_new_tokens,
+                                         tokenizer=tokenizer, prepack=prepack, **options)
+    best = best_prediction(predictions)
+    lookup = measure_lookup_first(target, drafter, prompts, best.candidate.tree, max_new_tokens=max_new_tokens,
+                                  tokenizer=tokenizer, prepack=prepack) if lookup_first else None
+    return Choice(calibration, predictions, best, lookup)
 
 
 def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_first: dict | None = None) -> None:

@@ -49,14 +49,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     import heads
-    from heads.trees import best_prediction
-    from infer.calibrate import (
-        calibrate,
-        encode_prompts,
-        load_prompts,
-        measure_lookup_first,
-        write_calibration,
-    )
+    from infer.calibrate import choose, encode_prompts, load_prompts
     from infer.embedded import resolve_target
 
     prompts = load_prompts(args.prompts)  # bad input fails here, before any model loads
@@ -72,28 +65,24 @@ def main(argv=None) -> int:
         raise SystemExit(f"{args.drafter} records no target; pass --target")
     target, tokenizer = resolve_target(name)
     ids = encode_prompts(tokenizer, prompts)
-    calibration, predictions = calibrate(
-        target, drafter, ids, mode=args.mode, top_k=args.top_k, depth=args.depth,
-        wide=args.wide, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens, context=args.context,
-        repeats=args.repeats, tokenizer=tokenizer)
-    best = best_prediction(predictions)
-    steps = sum(m["steps"] for m in calibration["measured"])
+    choice = choose(target, drafter, ids, lookup_first=not args.no_lookup_first, mode=args.mode, top_k=args.top_k,
+                    depth=args.depth, wide=args.wide, max_nodes=args.max_nodes, max_new_tokens=args.max_new_tokens,
+                    context=args.context, repeats=args.repeats, tokenizer=tokenizer)
+    best = choice.best
+    steps = sum(m["steps"] for m in choice.calibration["measured"])
     print(f"{drafter.kind} drafter {args.drafter} on {name}: {len(prompts)} prompts, {steps} verify steps "
           f"measured; {torch.get_num_threads()} threads, costs at context {args.context}")
-    print(table(predictions, best))
-    print(f"best: {best.candidate.nodes} nodes, {describe(best.candidate.tree)}, predicted "
+    print(table(choice.predictions, best))
+    print(f"best: {best.candidate.nodes} nodes, {describe(choice.tree)}, predicted "
           f"{best.tokens_per_second:.1f} tokens/s")
-    lookup = None
-    if not args.no_lookup_first:
-        lookup = measure_lookup_first(target, drafter, ids, best.candidate.tree, max_new_tokens=args.max_new_tokens,
-                                      tokenizer=tokenizer)
-        alone, first = lookup["alone"], lookup["lookup_first"]
+    if choice.lookup_first is not None:
+        alone, first = choice.lookup_first["alone"], choice.lookup_first["lookup_first"]
         print(f"with this tree: alone {alone['tokens_per_second']:.1f} tokens/s (tau "
               f"{alone['new_tokens'] / alone['target_forwards']:.2f}), prompt lookup first "
               f"{first['tokens_per_second']:.1f} tokens/s (tau {first['new_tokens'] / first['target_forwards']:.2f}): "
-              f"lookup first {'pays' if lookup['pays'] else 'does not pay'}")
+              f"lookup first {'pays' if choice.lookup_first['pays'] else 'does not pay'}")
     if args.write:
-        write_calibration(folder, drafter, calibration, best.candidate.tree, lookup)
+        choice.write(folder, drafter)
         print(f"wrote the tree and the statistics to {folder / 'config.json'}")
     return 0
 

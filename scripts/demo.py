@@ -131,21 +131,17 @@ def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[
     """Measure `drafter`'s acceptance on `prompts` and this machine's costs, and save the tree that
     maximizes the predicted tokens/s into its folder, with whether prompt lookup first made that tree faster
     on the same prompts (what `scripts/calibrate.py --write` does)."""
-    from heads.trees import best_prediction
-    from infer.calibrate import calibrate, encode_prompts, measure_lookup_first, write_calibration
+    from infer.calibrate import choose, encode_prompts
 
-    ids = encode_prompts(tokenizer, [q["turns"][0] for q in prompts])
-    calibration, predictions = calibrate(target, drafter, ids, max_new_tokens=max_new_tokens, tokenizer=tokenizer)
-    best = best_prediction(predictions)
-    lookup = measure_lookup_first(target, drafter, ids, best.candidate.tree, max_new_tokens=max_new_tokens,
-                                  tokenizer=tokenizer)
-    write_calibration(drafter_dir, drafter, calibration, best.candidate.tree, lookup)
-    speeds = {way: lookup[way]["tokens_per_second"] for way in ("alone", "lookup_first")}
-    print(f"drafting tree calibrated on {len(prompts)} unused prompts: {best.candidate.nodes} nodes "
-          f"({best.candidate.tree}), predicted {best.tokens_per_second:.1f} tokens/s here; measured "
+    choice = choose(target, drafter, encode_prompts(tokenizer, [q["turns"][0] for q in prompts]),
+                    max_new_tokens=max_new_tokens, tokenizer=tokenizer)
+    choice.write(drafter_dir, drafter)
+    speeds = {way: choice.lookup_first[way]["tokens_per_second"] for way in ("alone", "lookup_first")}
+    print(f"drafting tree calibrated on {len(prompts)} unused prompts: {choice.best.candidate.nodes} nodes "
+          f"({choice.tree}), predicted {choice.best.tokens_per_second:.1f} tokens/s here; measured "
           f"{speeds['alone']:.1f} tokens/s alone and {speeds['lookup_first']:.1f} with prompt lookup first, which "
-          f"is {'now' if lookup['pays'] else 'not'} the drafter's default", flush=True)
-    return best.candidate.tree
+          f"is {'now' if choice.lookup_first['pays'] else 'not'} the drafter's default", flush=True)
+    return choice.tree
 
 
 def distill(target, tokenizer, prompts: list[dict], out: Path, max_new_tokens: int, batch_size: int) -> Path:
