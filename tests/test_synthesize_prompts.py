@@ -1,0 +1,74 @@
+"""Magpie-style prompts: the target writes user messages from its chat template's prefix; resumable; bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from train_fixtures import CHATML, char_tokenizer
+
+from train.data import detect_format, load_rows
+from train.synthesize_prompts import query_prefix, synthesize
+
+
+@pytest.fixture(scope="module")
+def target():
+    from conftest import tiny_model
+
+    return tiny_model("llama"), char_tokenizer()
+
+
+def read(path):
+    return [json.loads(line) for line in open(path)]
+
+
+def test_prompts_are_finished_new_messages_that_regenerate_reads(tmp_path, target):
+    model, tok = target
+    out = tmp_path / "magpie.jsonl"
+    counts = synthesize(model, tok, out, count=5, batch_size=16, max_new_tokens=24, min_chars=1, progress=False)
+    rows = read(out)
+    assert [r["id"] for r in rows] == [f"magpie-{i}" for i in range(5)] and counts["written"] == 5
+    texts = [r["messages"][0]["content"] for r in rows]
+    assert len(set(texts)) == 5 and all(t and "<|im_end|>" not in t for t in texts)
+    assert counts["drawn"] == 5 + counts["unfinished"] + counts["short_or_repeated"]
+    assert counts["unfinished"] > 0  # the tiny model often runs past 24 tokens: those are dropped, not cut
+    assert detect_format(load_rows(str(out)).column_names) == "messages"
+
+
+def test_the_prefix_is_the_template_before_a_user_message():
+    before, after = query_prefix(char_tokenizer())
+    assert (before, after) == ("<|im_start|>user\n", "<|im_end|>\n")
+
+
+def test_a_killed_run_resumes_without_losing_or_repeating_prompts(tmp_path, target):
+    model, tok = target
+    out = tmp_path / "magpie.jsonl"
+    synthesize(model, tok, out, count=3, batch_size=16, max_new_tokens=24, min_chars=1, progress=False)
+    first = read(out)
+    with out.open("a") as f:
+        f.write('{"id": "magpie-3", "messages": [{"role": "us')  # the kill, mid-write
+    counts = synthesize(model, tok, out, count=6, batch_size=16, max_new_tokens=24, min_chars=1, seed=1,
+                        progress=False)
+    rows = read(out)
+    assert rows[:3] == first and [r["id"] for r in rows] == [f"magpie-{i}" for i in range(6)]
+    assert len({r["messages"][0]["content"] for r in rows}) == 6
+    assert counts["already_there"] == 3 and counts["written"] == 3
+
+
+@pytest.mark.parametrize("template, message", [
+    (None, "has no chat template"),
+    (CHATML.replace("{{ m['content'] }}", "{{ m['content'] | lower }}"), "does not render a user's message"),
+])
+def test_templates_it_cannot_cut_are_refused(tmp_path, target, template, message):
+    model, _ = target
+    with pytest.raises(ValueError, match=message):
+        synthesize(model, char_tokenizer(template), tmp_path / "m.jsonl", count=1, progress=False)
+
+
+def test_greedy_and_hopeless_settings_fail_with_the_fix(tmp_path, target):
+    model, tok = target
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        synthesize(model, tok, tmp_path / "m.jsonl", count=1, temperature=0, progress=False)
+    with pytest.raises(RuntimeError, match="raise max_new_tokens"):
+        synthesize(model, tok, tmp_path / "m.jsonl", count=1, batch_size=2, max_new_tokens=1, min_chars=50,
+                   progress=False)
