@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from train_fixtures import CHATML, char_tokenizer
+from train_fixtures import CHATML, char_tokenizer, save_tiny_target
 
 from train.data import detect_format, load_rows
+from train.synthesize_prompts import main as synthesize_main
 from train.synthesize_prompts import query_prefix, synthesize
 
 
@@ -33,6 +34,20 @@ def test_prompts_are_finished_new_messages_that_regenerate_reads(tmp_path, targe
     assert counts["drawn"] == 5 + counts["unfinished"] + counts["short_or_repeated"]
     assert counts["unfinished"] > 0  # the tiny model often runs past 24 tokens: those are dropped, not cut
     assert detect_format(load_rows(str(out)).column_names) == "messages"
+
+
+def test_command_line_then_regenerate_answers_them(tmp_path):
+    from train.regenerate import main as regenerate_main
+
+    folder = save_tiny_target(tmp_path / "target")
+    prompts, answers = tmp_path / "magpie.jsonl", tmp_path / "answers.jsonl"
+    synthesize_main(["--target", folder, "--out", str(prompts), "--count", "3", "--batch_size", "16",
+                     "--max_new_tokens", "24", "--min_chars", "1"])
+    regenerate_main(["--target", folder, "--data", str(prompts), "--out", str(answers), "--max_new_tokens", "5"])
+    asked = {r["id"]: r["messages"][0]["content"] for r in read(prompts)}
+    answered = read(answers)
+    assert len(asked) == 3 and {r["id"]: r["messages"][0]["content"] for r in answered} == asked
+    assert all(r["messages"][1]["role"] == "assistant" for r in answered)
 
 
 def test_the_prefix_is_the_template_before_a_user_message():
@@ -63,6 +78,14 @@ def test_templates_it_cannot_cut_are_refused(tmp_path, target, template, message
     model, _ = target
     with pytest.raises(ValueError, match=message):
         synthesize(model, char_tokenizer(template), tmp_path / "m.jsonl", count=1, progress=False)
+
+
+def test_an_out_file_of_other_rows_is_refused(tmp_path, target):
+    model, tok = target
+    out = tmp_path / "answers.jsonl"
+    out.write_text('{"id": "0", "conversations": [{"from": "human", "value": "hi"}]}\n')
+    with pytest.raises(ValueError, match="answers.jsonl: line 1 is not a prompt row"):
+        synthesize(model, tok, out, count=2, progress=False)
 
 
 def test_greedy_and_hopeless_settings_fail_with_the_fix(tmp_path, target):

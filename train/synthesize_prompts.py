@@ -58,7 +58,15 @@ def read_prompts(out: Path) -> list[str]:
     read_done_ids(out)
     if not out.exists():
         return []
-    return [json.loads(line)["messages"][0]["content"] for line in out.read_text().splitlines() if line.strip()]
+    prompts = []
+    for number, line in enumerate(out.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                prompts.append(json.loads(line)["messages"][0]["content"])
+            except (KeyError, IndexError, TypeError):
+                raise ValueError(f"{out}: line {number} is not a prompt row ({{'id', 'messages': [{{'role': 'user', "
+                                 "'content'}]}); --out must be a file this script wrote, or a new one") from None
+    return prompts
 
 
 @torch.no_grad()
@@ -87,7 +95,7 @@ def synthesize(model, tokenizer, out: str | Path, *, count: int, batch_size: int
                                   desc="synthesize prompts") as bar:
         while len(seen) < count:
             torch.manual_seed(seed + len(seen) + counts["drawn"])
-            batch = prefix.expand(batch_size, -1)
+            batch = prefix.repeat(batch_size, 1)
             new = model.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True,
                                  temperature=temperature, top_p=top_p, top_k=None, max_new_tokens=max_new_tokens,
                                  eos_token_id=sorted(stops), pad_token_id=pad)[:, prefix.shape[1]:].cpu()
