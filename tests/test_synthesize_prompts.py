@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 import pytest
-from train_fixtures import CHATML, char_tokenizer, save_tiny_target
+from train_fixtures import CHATML, char_tokenizer, read_jsonl, save_tiny_target, tiny_chat_target
 
 from train.data import detect_format, load_rows
 from train.synthesize_prompts import main as synthesize_main
@@ -14,20 +12,14 @@ from train.synthesize_prompts import query_prefix, synthesize
 
 @pytest.fixture(scope="module")
 def target():
-    from conftest import tiny_model
-
-    return tiny_model("llama"), char_tokenizer()
-
-
-def read(path):
-    return [json.loads(line) for line in open(path)]
+    return tiny_chat_target()
 
 
 def test_prompts_are_finished_new_messages_that_regenerate_reads(tmp_path, target):
     model, tok = target
     out = tmp_path / "magpie.jsonl"
     counts = synthesize(model, tok, out, count=5, batch_size=16, max_new_tokens=24, min_chars=1, progress=False)
-    rows = read(out)
+    rows = read_jsonl(out)
     assert [r["id"] for r in rows] == [f"magpie-{i}" for i in range(5)] and counts["written"] == 5
     texts = [r["messages"][0]["content"] for r in rows]
     assert len(set(texts)) == 5 and all(t and "<|im_end|>" not in t for t in texts)
@@ -44,8 +36,8 @@ def test_command_line_then_regenerate_answers_them(tmp_path):
     synthesize_main(["--target", folder, "--out", str(prompts), "--count", "3", "--batch_size", "16",
                      "--max_new_tokens", "24", "--min_chars", "1"])
     regenerate_main(["--target", folder, "--data", str(prompts), "--out", str(answers), "--max_new_tokens", "5"])
-    asked = {r["id"]: r["messages"][0]["content"] for r in read(prompts)}
-    answered = read(answers)
+    asked = {r["id"]: r["messages"][0]["content"] for r in read_jsonl(prompts)}
+    answered = read_jsonl(answers)
     assert len(asked) == 3 and {r["id"]: r["messages"][0]["content"] for r in answered} == asked
     assert all(r["messages"][1]["role"] == "assistant" for r in answered)
 
@@ -59,12 +51,12 @@ def test_a_killed_run_resumes_without_losing_or_repeating_prompts(tmp_path, targ
     model, tok = target
     out = tmp_path / "magpie.jsonl"
     synthesize(model, tok, out, count=3, batch_size=16, max_new_tokens=24, min_chars=1, progress=False)
-    first = read(out)
+    first = read_jsonl(out)
     with out.open("a") as f:
         f.write('{"id": "magpie-3", "messages": [{"role": "us')  # the kill, mid-write
     counts = synthesize(model, tok, out, count=6, batch_size=16, max_new_tokens=24, min_chars=1, seed=1,
                         progress=False)
-    rows = read(out)
+    rows = read_jsonl(out)
     assert rows[:3] == first and [r["id"] for r in rows] == [f"magpie-{i}" for i in range(6)]
     assert len({r["messages"][0]["content"] for r in rows}) == 6
     assert counts["already_there"] == 3 and counts["written"] == 3

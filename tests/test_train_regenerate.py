@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import gzip
-import json
 
 import pytest
-from train_fixtures import char_tokenizer, conversations, write_alpaca, write_sharegpt
+from train_fixtures import (
+    char_tokenizer,
+    conversations,
+    read_jsonl,
+    tiny_chat_target,
+    write_alpaca,
+    write_sharegpt,
+)
 
 from train.data import build_samples, load_rows
 from train.regenerate import main as regenerate_main
@@ -15,13 +21,7 @@ from train.regenerate import merge_files, read_done_ids, regenerate
 
 @pytest.fixture(scope="module")
 def target():
-    from conftest import tiny_model
-
-    return tiny_model("llama"), char_tokenizer()
-
-
-def read(path):
-    return [json.loads(line) for line in open(path)]
+    return tiny_chat_target()
 
 
 def test_greedy_replies_are_the_targets_own(tmp_path, target):
@@ -30,7 +30,7 @@ def test_greedy_replies_are_the_targets_own(tmp_path, target):
     out = tmp_path / "out.jsonl"
     counts = regenerate(model, tok, rows, out, max_new_tokens=12, batch_size=2, progress=False)
     assert counts["written"] == 5
-    records = read(out)
+    records = read_jsonl(out)
     assert {r["id"] for r in records} == {"0", "1", "2", "3", "4"}
     for r in records:
         user = r["messages"][0]["content"]
@@ -52,7 +52,7 @@ def test_multi_turn_and_sharegpt_output(tmp_path, target):
     rows = load_rows(write_sharegpt(tmp_path / "s.json", [conv, conv[:1]]))
     out = tmp_path / "out.jsonl"
     regenerate(model, tok, rows, out, max_new_tokens=6, batch_size=4, out_format="sharegpt", progress=False)
-    records = {r["id"]: r for r in read(out)}
+    records = {r["id"]: r for r in read_jsonl(out)}
     turns = records["c0"]["conversations"]
     assert [t["from"] for t in turns] == ["human", "gpt", "human", "gpt"]
     assert turns[0]["value"] == "hi" and turns[2]["value"] == "more"
@@ -66,13 +66,13 @@ def test_resume_skips_done_ids_and_drops_a_cut_line(tmp_path, target):
     rows = load_rows(write_alpaca(tmp_path / "a.json", conversations(6)))
     out = tmp_path / "out.jsonl"
     regenerate(model, tok, rows, out, max_samples=3, max_new_tokens=4, batch_size=2, progress=False)
-    first = read(out)
+    first = read_jsonl(out)
     with open(out, "a") as f:
         f.write('{"id": "5", "messa')  # killed mid-write
     assert read_done_ids(out) == {r["id"] for r in first}
     counts = regenerate(model, tok, rows, out, max_new_tokens=4, batch_size=2, progress=False)
     assert counts["skipped_done"] == 3 and counts["written"] == 3
-    records = read(out)
+    records = read_jsonl(out)
     assert records[:3] == first and sorted(r["id"] for r in records) == [str(i) for i in range(6)]
 
 
@@ -84,7 +84,7 @@ def test_sampling_and_cli(tmp_path, target):
     out = tmp_path / "out.jsonl"
     regenerate_main(["--target", folder, "--data", data, "--out", str(out), "--max_new_tokens", "5",
                      "--temperature", "0.8", "--top_p", "0.9", "--batch_size", "3"])
-    assert len(read(out)) == 3
+    assert len(read_jsonl(out)) == 3
 
 
 def test_several_sampled_answers_per_prompt_resume_by_sample(tmp_path, target):
@@ -93,10 +93,10 @@ def test_several_sampled_answers_per_prompt_resume_by_sample(tmp_path, target):
     out = tmp_path / "out.jsonl"
     settings = dict(max_new_tokens=10, batch_size=4, temperature=1.0, samples=3, progress=False)
     regenerate(model, tok, rows, out, max_samples=2, **settings)
-    assert sorted(r["id"] for r in read(out)) == ["0#0", "0#1", "0#2", "1#0", "1#1", "1#2"]
+    assert sorted(r["id"] for r in read_jsonl(out)) == ["0#0", "0#1", "0#2", "1#0", "1#1", "1#2"]
     counts = regenerate(model, tok, rows, out, **settings)  # resumes: only row 2's samples are new
     assert counts["skipped_done"] == 6 and counts["written"] == 3
-    records = read(out)
+    records = read_jsonl(out)
     assert len({r["id"] for r in records}) == 9
     by_prompt = {}
     for r in records:
@@ -110,7 +110,7 @@ def test_merge_files_joins_whole_lines_in_order(tmp_path):
     a.write_text('{"id": "1"}\n\n{"id": "2"}\n')
     b.write_text('{"id": "3"}\n{"id": "4", "mess')  # the second file was cut by a kill mid-line
     rows = merge_files([a, tmp_path / "missing.jsonl", b], tmp_path / "all.jsonl")
-    assert rows == 3 and [r["id"] for r in read(tmp_path / "all.jsonl")] == ["1", "2", "3"]
+    assert rows == 3 and [r["id"] for r in read_jsonl(tmp_path / "all.jsonl")] == ["1", "2", "3"]
 
 
 def test_merge_files_reads_gzipped_answers(tmp_path):
@@ -120,7 +120,7 @@ def test_merge_files_reads_gzipped_answers(tmp_path):
     shipped.write_bytes(gzip.compress(b'{"id": "1"}\n{"id": "2"}\n'))
     sampled.write_text('{"id": "3"}\n')
     assert merge_files([shipped, sampled], tmp_path / "all.jsonl") == 3
-    assert [r["id"] for r in read(tmp_path / "all.jsonl")] == ["1", "2", "3"]
+    assert [r["id"] for r in read_jsonl(tmp_path / "all.jsonl")] == ["1", "2", "3"]
     assert gzip.decompress(shipped.read_bytes()) == b'{"id": "1"}\n{"id": "2"}\n'  # left as it was
 
 

@@ -79,3 +79,14 @@ def save_tiny_target(folder, model_type: str = "llama", **overrides) -> str:
     model.save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
     return str(folder)
+
+
+def tiny_chat_target():
+    """A tiny random Llama target and the char tokenizer, for tests that generate with a chat template."""
+    from conftest import tiny_model
+
+    return tiny_model("llama"), char_tokenizer()
+
+
+def read_jsonl(path) -> list[dict]:
+    return [json.loads(line) for line in open(path)]
