@@ -16,7 +16,10 @@ it is made, so the engine makes one per generate call):
 - rotary from the model's own rotary module (its scaling included), applied to q and k in place in the
   q/k/v projection's output by the kernel (`rope_`), one call per layer instead of seven ops;
 - attention by torch's SDPA on the grouped K/V heads as they are, under the tree mask the engine built;
-- K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them.
+- K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them;
+- after that write, the rest of the layer (attention, o, the MLP, both residual adds and the next layer's
+  input norm) is one call into the kernel (`attention_tail`), which runs ATen's ops there without a Python
+  dispatch for each: 0.6-1.4 ms less a forward over 1-8 rows than the same ops from Python (docs/benchmarks.md).
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
 
@@ -184,28 +187,47 @@ class LeanLayers:
         return cos[:, None], sin[:, None]
 
     def _layer(self, x: torch.Tensor, y: torch.Tensor, layer: Layer, index: int, cache, attention_mask,
-               rotary) -> torch.Tensor:
+               rotary, next_norm: tuple[torch.Tensor, float] | None = None):
         """x + attention(y) + MLP, as a Llama decoder layer computes it: x [B, N, D] is the residual stream,
-        y [B, N, K] the normed input of q/k/v (the layer's input norm of x, for a target layer)."""
+        y [B, N, K] the normed input of q/k/v (the layer's input norm of x, for a target layer). Returns the
+        new x and `next_norm` of it (the next layer's input norm, or the final norm; None without one)."""
         b, n, _ = x.shape
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
-            qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
-            q, k = qkv[:, :h], qkv[:, h:h + kvh]
+            heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            keys, values = cache.update(heads[:, h:h + kvh], heads[:, h + kvh:], index)
+            stream = self._streamed(b * n, layer.o, layer.gate_up, layer.down)
+            if attention_mask is not None and (stream or b * n == 1):
+                return self._tail(x, qkv, keys, values, attention_mask, layer, next_norm, stream)
+            q = heads[:, :h]
         else:
-            qkv = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
-            qk = qkv[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
+            heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            qk = heads[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
             qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
-            q, k = qk[:, :h], qk[:, h:]
-        keys, values = cache.update(k, qkv[:, h + kvh:], index)
+            q = qk[:, :h]
+            keys, values = cache.update(qk[:, h:], heads[:, h + kvh:], index)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=attention_mask, scale=layer.scaling,
                                            enable_gqa=kvh != h)
         x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), layer.o)
         gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
-        return x + self._linear(F.silu(gate) * up, layer.down)
+        x = x + self._linear(F.silu(gate) * up, layer.down)
+        return x, (self._norm(x, next_norm) if next_norm is not None else None)
+
+    def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, next_norm, stream: bool):
+        """The rest of `_layer` after the K/V write (attention, o, MLP, both residual adds, `next_norm`) in
+        one kernel call: ATen's own ops there, without a Python dispatch for each of them."""
+        norm, eps = next_norm if next_norm is not None else (None, 0.0)
+        return self.kernel.attention_tail(x, qkv.view(x.shape[0] * x.shape[1], -1), keys, values, attention_mask,
+                                          layer.heads, layer.scaling, layer.o.weights[0], layer.o.biases,
+                                          *layer.post_norm, layer.gate_up.weights, layer.gate_up.biases,
+                                          layer.down.weights[0], layer.down.biases, norm, eps, stream)
+
+    def _streamed(self, rows: int, *linears: Linears) -> bool:
+        """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears`."""
+        return self.kernel is not None and 1 < rows <= self.stream_rows and all(m.streamable for m in linears)
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
@@ -217,7 +239,7 @@ class LeanLayers:
         """x [B, N, K] through `linears` side by side: [B, N, sum of their out_features]."""
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
-        if self.kernel is not None and 1 < rows <= self.stream_rows and linears.streamable:
+        if self._streamed(rows, linears):
             y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases)
         else:
             if rows > 1 and self.packed is not None and cpu_linear.available():
@@ -257,11 +279,13 @@ class LeanForward(LeanLayers):
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         rotary = self._rotary(self.rotary, x, position_ids)
         hidden = [x] if output_hidden_states else None
-        for i, layer in enumerate(self.layers):
-            x = self._layer(x, self._norm(x, layer.input_norm), layer, i, cache, attention_mask, rotary)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        y = self._norm(x, self.layers[0].input_norm)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            x, y = self._layer(x, y, layer, i, cache, attention_mask, rotary, next_norm)
             if hidden is not None:
                 hidden.append(x)
-        x = self._norm(x, self.final_norm)
+        x = y  # the final norm of the last layer's output
         if hidden is not None:
             hidden[-1] = x  # transformers' last hidden state is the normed one
         if logits_to_keep:

@@ -72,6 +72,25 @@ def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
         close(layer_got.values, layer_expected.values)
 
 
+@pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
+def test_a_one_row_block_is_the_models(stream_rows):
+    # one row takes ATen's linear (the GEMV) inside the kernel's layer tail, not the streamed kernel
+    if stream_rows:
+        _kernel()
+    target = tiny_model("qwen2")  # q/k/v biases
+    lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
+    prompt, block = torch.tensor([[3, 4, 5, 6, 7]]), torch.tensor([[8]])
+    outs = []
+    with torch.no_grad():
+        for model in (target, lean):
+            kv = _after_prompt(target, prompt, torch.ones_like(prompt))
+            outs.append(forward_block(model, kv, torch.zeros(1, 1, dtype=torch.long), torch.ones(1, 1, 1, dtype=torch.bool),
+                                      torch.ones(1, 1, dtype=torch.bool), input_ids=block, output_hidden_states=True))
+    expected, got = outs
+    torch.testing.assert_close(got.logits, expected.logits, rtol=1e-5, atol=1e-5 * float(expected.logits.abs().max()))
+    torch.testing.assert_close(got.hidden_states[-1], expected.hidden_states[-1], rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("arch", LEAN)
 def test_generate_runs_it_and_stays_exact(arch):
     target = tiny_model(arch)

@@ -71,9 +71,9 @@ class LeanEagle3(LeanLayers):
         rotary = self._rotary(self.model.rotary_emb, h, position_ids)
         normed = self._norm(h, self.hidden_norm)
         residual = normed if self.model.config.norm_before_residual else h
-        first = self.layers[0]
-        y = torch.cat([self._norm(self.embed(input_ids), first.input_norm), normed], dim=-1)
-        h = self._layer(residual, y, first, 0, past_key_values, attention_mask, rotary)
-        for i, layer in enumerate(self.layers[1:], start=1):
-            h = self._layer(h, self._norm(h, layer.input_norm), layer, i, past_key_values, attention_mask, rotary)
-        return h, self._linear(self._norm(h, self.final_norm), self.lm_head)
+        y = torch.cat([self._norm(self.embed(input_ids), self.layers[0].input_norm), normed], dim=-1)
+        norms = [layer.input_norm for layer in self.layers[1:]] + [self.final_norm]
+        h = residual
+        for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
+            h, y = self._layer(h, y, layer, i, past_key_values, attention_mask, rotary, next_norm)
+        return h, self._linear(y, self.lm_head)

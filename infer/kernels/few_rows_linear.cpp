@@ -12,8 +12,9 @@
 //
 // `few_rows_linear_cat` runs several weights sharing an input in one pass (q/k/v, gate/up), writing their
 // outputs side by side; `rms_norm` is the Llama-family RMSNorm on the rows of a block, and `rope_` the rotary
-// embedding applied in place to q and k in that side-by-side output. They serve the lean verify forward
-// (infer/lean_forward.py).
+// embedding applied in place to q and k in that side-by-side output; `attention_tail` the rest of a decoder
+// layer after its K/V write, from attention to the next layer's input norm, in one call. They serve the lean
+// verify forward (infer/lean_forward.py).
 
 #include <torch/extension.h>
 
@@ -207,6 +208,53 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& cos_in, const torch::Tensor&
   }
 }
 
+namespace {
+
+// x through weights side by side, as the lean forward's `_linear` runs a block: the streamed kernel, or
+// ATen's linear (one row: the GEMV at the memory floor).
+torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                          const std::vector<c10::optional<torch::Tensor>>& biases, bool stream) {
+  if (stream) return few_rows_linear_cat(x, weights, biases);
+  std::vector<torch::Tensor> parts;
+  for (size_t i = 0; i < weights.size(); ++i)
+    parts.push_back(at::linear(x, weights[i], biases.empty() ? c10::nullopt : biases[i]));
+  return parts.size() == 1 ? parts[0] : at::cat(parts, 1);
+}
+
+}  // namespace
+
+// A Llama decoder layer from attention on, and the next layer's input norm, in one call for a block's rows:
+// att = SDPA(q, keys, values, mask); x += o(att); x += down(silu(gate(n)) * up(n)) with n = post_norm(x);
+// y = next_norm(x). x: [B, N, D] the residual stream; qkv: [B*N, width] the rotated projection, q's `heads`
+// heads of D first; keys, values: [B, KVH, S, D] the cache after this block's write; mask: [B, 1, N, S]
+// additive. Weights [N, K] fp32 contiguous, one bias (or None) per weight or none; `stream`: the streamed
+// kernel for the linears, else ATen's. Returns {x, y} (y undefined without next_norm).
+std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch::Tensor& qkv, const torch::Tensor& keys,
+                                          const torch::Tensor& values, const torch::Tensor& mask, int64_t heads,
+                                          double scale, const torch::Tensor& o_weight,
+                                          const std::vector<c10::optional<torch::Tensor>>& o_bias,
+                                          const torch::Tensor& post_norm, double post_eps,
+                                          const std::vector<torch::Tensor>& gate_up,
+                                          const std::vector<c10::optional<torch::Tensor>>& gate_up_bias,
+                                          const torch::Tensor& down_weight,
+                                          const std::vector<c10::optional<torch::Tensor>>& down_bias,
+                                          const c10::optional<torch::Tensor>& next_norm, double next_eps, bool stream) {
+  TORCH_CHECK(x_in.dim() == 3 && keys.dim() == 4 && gate_up.size() == 2,
+              "attention_tail: x [B, N, D], keys [B, KVH, S, D] and the gate and up weights expected");
+  const int64_t B = x_in.size(0), N = x_in.size(1), D = x_in.size(2), head_dim = keys.size(3);
+  const torch::Tensor q = qkv.view({B, N, -1, head_dim}).narrow(2, 0, heads).transpose(1, 2);
+  const torch::Tensor att = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale,
+                                                             keys.size(1) != heads)
+                                .transpose(1, 2).reshape({B * N, heads * head_dim});
+  torch::Tensor x = x_in.reshape({B * N, D}) + linear_rows(att, {o_weight}, o_bias, stream);
+  const torch::Tensor gu = linear_rows(rms_norm(x, post_norm, post_eps), gate_up, gate_up_bias, stream);
+  const int64_t I = gate_up[0].size(0);
+  x.add_(linear_rows(at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I)), {down_weight}, down_bias, stream));
+  torch::Tensor y;
+  if (next_norm.has_value() && next_norm->defined()) y = rms_norm(x, *next_norm, next_eps).view({B, N, D});
+  return {x.view({B, N, D}), y};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
@@ -217,4 +265,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place on the first `heads` heads of qkv [M, width], fp32",
         pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("heads"));
+  m.def("attention_tail", &attention_tail,
+        "a Llama decoder layer from attention on (attention, o, residual, MLP, residual) and next_norm(x)",
+        pybind11::arg("x"), pybind11::arg("qkv"), pybind11::arg("keys"), pybind11::arg("values"),
+        pybind11::arg("mask"), pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("o_weight"),
+        pybind11::arg("o_bias"),
+        pybind11::arg("post_norm"), pybind11::arg("post_eps"), pybind11::arg("gate_up"),
+        pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"), pybind11::arg("down_bias"),
+        pybind11::arg("next_norm"), pybind11::arg("next_eps"), pybind11::arg("stream"));
 }
