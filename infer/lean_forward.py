@@ -187,10 +187,10 @@ class LeanLayers:
         return cos[:, None], sin[:, None]
 
     def _layer(self, x: torch.Tensor, y: torch.Tensor, layer: Layer, index: int, cache, attention_mask,
-               rotary, next_norm: tuple[torch.Tensor, float] | None = None):
+               rotary, next_norm: tuple[torch.Tensor, float]):
         """x + attention(y) + MLP, as a Llama decoder layer computes it: x [B, N, D] is the residual stream,
         y [B, N, K] the normed input of q/k/v (the layer's input norm of x, for a target layer). Returns the
-        new x and `next_norm` of it (the next layer's input norm, or the final norm; None without one)."""
+        new x and `next_norm` of it (the next layer's input norm, or the final norm)."""
         b, n, _ = x.shape
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
@@ -214,16 +214,15 @@ class LeanLayers:
         x = x + self._linear(o.transpose(1, 2).reshape(b, n, h * hd), layer.o)
         gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         x = x + self._linear(F.silu(gate) * up, layer.down)
-        return x, (self._norm(x, next_norm) if next_norm is not None else None)
+        return x, self._norm(x, next_norm)
 
     def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, next_norm, stream: bool):
         """The rest of `_layer` after the K/V write (attention, o, MLP, both residual adds, `next_norm`) in
         one kernel call: ATen's own ops there, without a Python dispatch for each of them."""
-        norm, eps = next_norm if next_norm is not None else (None, 0.0)
         return self.kernel.attention_tail(x, qkv.view(x.shape[0] * x.shape[1], -1), keys, values, attention_mask,
                                           layer.heads, layer.scaling, layer.o.weights[0], layer.o.biases,
                                           *layer.post_norm, layer.gate_up.weights, layer.gate_up.biases,
-                                          layer.down.weights[0], layer.down.biases, norm, eps, stream)
+                                          layer.down.weights[0], layer.down.biases, *next_norm, stream)
 
     def _streamed(self, rows: int, *linears: Linears) -> bool:
         """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears`."""

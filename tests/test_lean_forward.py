@@ -74,7 +74,7 @@ def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
 def test_a_one_row_block_is_the_models(stream_rows):
-    # one row takes ATen's linear (the GEMV) inside the kernel's layer tail, not the streamed kernel
+    # one row takes ATen's linear (the GEMV) inside the kernel's attention_tail, not the streamed kernel
     if stream_rows:
         _kernel()
     target = tiny_model("qwen2")  # q/k/v biases
