@@ -228,7 +228,7 @@ torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tenso
 // y = next_norm(x). x: [B, N, D] the residual stream; qkv: [B*N, width] the rotated projection, q's `heads`
 // heads of D first; keys, values: [B, KVH, S, D] the cache after this block's write; mask: [B, 1, N, S]
 // additive. Weights [N, K] fp32 contiguous, one bias (or None) per weight or none; `stream`: the streamed
-// kernel for the linears, else ATen's. Returns {x, y} (y undefined without next_norm).
+// kernel for the linears, else ATen's. Returns {x, y}.
 std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch::Tensor& qkv, const torch::Tensor& keys,
                                           const torch::Tensor& values, const torch::Tensor& mask, int64_t heads,
                                           double scale, const torch::Tensor& o_weight,
@@ -238,7 +238,7 @@ std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch
                                           const std::vector<c10::optional<torch::Tensor>>& gate_up_bias,
                                           const torch::Tensor& down_weight,
                                           const std::vector<c10::optional<torch::Tensor>>& down_bias,
-                                          const c10::optional<torch::Tensor>& next_norm, double next_eps, bool stream) {
+                                          const torch::Tensor& next_norm, double next_eps, bool stream) {
   TORCH_CHECK(x_in.dim() == 3 && keys.dim() == 4 && gate_up.size() == 2,
               "attention_tail: x [B, N, D], keys [B, KVH, S, D] and the gate and up weights expected");
   const int64_t B = x_in.size(0), N = x_in.size(1), D = x_in.size(2), head_dim = keys.size(3);
@@ -250,9 +250,7 @@ std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch
   const torch::Tensor gu = linear_rows(rms_norm(x, post_norm, post_eps), gate_up, gate_up_bias, stream);
   const int64_t I = gate_up[0].size(0);
   x.add_(linear_rows(at::silu(gu.narrow(1, 0, I)).mul_(gu.narrow(1, I, I)), {down_weight}, down_bias, stream));
-  torch::Tensor y;
-  if (next_norm.has_value() && next_norm->defined()) y = rms_norm(x, *next_norm, next_eps).view({B, N, D});
-  return {x.view({B, N, D}), y};
+  return {x.view({B, N, D}), rms_norm(x, next_norm, next_eps).view({B, N, D})};
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
