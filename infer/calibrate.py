@@ -42,7 +42,7 @@ import torch
 
 from heads.trees import Prediction, best_prediction, candidate_trees, prior_paths
 
-from . import cpu_linear, lean_forward
+from . import argmax_head, cpu_linear, lean_forward
 from .drafting import TargetStep
 from .embedded import cache_dir
 from .engine import SelfSpecModel, _generation_mode, _max_positions
@@ -389,7 +389,8 @@ def choose_stream_rows(seconds: dict[str, dict[int, float]]) -> int:
 
 
 def _lean_source_hash() -> str:
-    return _hash(Path(lean_forward.__file__).read_text() + cpu_linear.KERNEL_SOURCE.read_text())
+    return _hash(Path(lean_forward.__file__).read_text() + cpu_linear.KERNEL_SOURCE.read_text()
+                 + Path(argmax_head.__file__).read_text())
 
 
 def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
@@ -411,6 +412,8 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
         model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache()) if lean else target
+        if lean and cpu_linear.streamed_kernel() is not None:  # greedy, as calibration measures acceptance
+            model.argmax_head = argmax_head.ArgmaxHead(model.lm_head.weights[0])
         costs = block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})

@@ -61,22 +61,30 @@ def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
 
 
 class PackCache:
-    """Packed copies of weight tensors, keyed by the tensor's identity and dropped when it is freed."""
+    """Copies derived from weight tensors (oneDNN's packed layout, `infer.argmax_head.ArgmaxHead`'s int8 head),
+    keyed by the tensor's identity and the kind of copy, remade when the tensor changes in place and dropped
+    when it is freed."""
 
     def __init__(self):
-        self._packed: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id -> (ref, version, packed)
+        # (id, kind) -> (ref, version, derived)
+        self._derived: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
 
     def __len__(self) -> int:
-        return len(self._packed)
+        return len(self._derived)
 
     def get(self, weight: torch.Tensor) -> torch.Tensor:
-        key = id(weight)
-        cached = self._packed.get(key)
+        """`weight` in oneDNN's packed layout for `torch.ops.mkldnn._linear_pointwise`."""
+        return self.derived(weight, "onednn", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, None))
+
+    def derived(self, weight: torch.Tensor, kind: str, make):
+        """`make(weight.detach())`, made once per weight and `kind` while the weight lives unchanged."""
+        key = (id(weight), kind)
+        cached = self._derived.get(key)
         if cached is None or cached[0]() is not weight or cached[1] != weight._version:
             with torch.no_grad():
-                packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            ref = weakref.ref(weight, lambda _, key=key, cache=self._packed: cache.pop(key, None))
-            cached = self._packed[key] = (ref, weight._version, packed)
+                made = make(weight.detach())
+            ref = weakref.ref(weight, lambda _, key=key, cache=self._derived: cache.pop(key, None))
+            cached = self._derived[key] = (ref, weight._version, made)
         return cached[2]
 
 

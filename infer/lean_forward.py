@@ -19,7 +19,10 @@ it is made, so the engine makes one per generate call):
 - K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them;
 - after that write, the rest of the layer (attention, o, the MLP, both residual adds and the next layer's
   input norm) is one call into the kernel (`attention_tail`), which runs ATen's ops there without a Python
-  dispatch for each: 0.6-1.4 ms less a forward over 1-8 rows than the same ops from Python (docs/benchmarks.md).
+  dispatch for each: 0.6-1.4 ms less a forward over 1-8 rows than the same ops from Python (docs/benchmarks.md);
+- where the caller reads only each node's argmax (the engine's greedy verify), the LM head's logits come from
+  `infer.argmax_head.ArgmaxHead` (`argmax_head`): exact for the tokens that could be the argmax, -inf for the
+  rest, from a quarter of the head's bytes.
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
 
@@ -39,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import cpu_linear
+from .argmax_head import ArgmaxHead
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -265,6 +269,9 @@ class LeanForward(LeanLayers):
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
         self.lm_head = Linears.of(target.get_output_embeddings())
+        # Set for a call that reads only each node's argmax (the engine's greedy verify): the logits come from
+        # `infer.argmax_head.ArgmaxHead`, exact where a token could be the argmax and -inf elsewhere.
+        self.argmax_head: ArgmaxHead | None = None
 
     @property
     def dtype(self) -> torch.dtype:
@@ -289,5 +296,9 @@ class LeanForward(LeanLayers):
             hidden[-1] = x  # transformers' last hidden state is the normed one
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
-        logits = self._linear(x, self.lm_head)
+        if self.argmax_head is not None:
+            logits = self.argmax_head.logits(x.reshape(-1, x.shape[-1]), self.lm_head.biases[0])
+            logits = logits.view(*x.shape[:-1], logits.shape[-1])
+        else:
+            logits = self._linear(x, self.lm_head)
         return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)

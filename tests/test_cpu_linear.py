@@ -181,3 +181,29 @@ def test_the_avx2_code_matches_plain_linear_too():
             expected = torch.cat([layer(x) for layer in layers], dim=-1)
             got = kernel.few_rows_linear_cat(x, [m.weight for m in layers], [m.bias for m in layers])
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # int8 rows (widened as loaded) and the argmax head built on them (infer/argmax_head.py)
+    from infer.argmax_head import ArgmaxHead
+
+    weight = torch.randn(301, 40) * 0.3
+    head = ArgmaxHead(weight, kernel)
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 40)
+        dequantized = head.q.float() * head.scale[:, None]
+        torch.testing.assert_close(kernel.int8_rows_linear(x, head.q, head.scale), x @ dequantized.T,
+                                   rtol=1e-5, atol=1e-5)
+        assert torch.equal(head.logits(x).argmax(-1), (x @ weight.T).argmax(-1))
+
+
+def test_int8_rows_match_their_dequantized_weights():
+    kernel = cpu_linear.streamed_kernel()
+    if kernel is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    torch.manual_seed(0)
+    q = torch.randint(-127, 128, (37, 50), dtype=torch.int8)  # 37 rows: 9 blocks of 4 and one left over
+    scale = torch.rand(37) * 0.01
+    for rows in (1, 2, 3, 4, 5, 9):
+        x = torch.randn(rows, 50)
+        torch.testing.assert_close(kernel.int8_rows_linear(x, q, scale), x @ (q.float() * scale[:, None]).T,
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="int8 contiguous"):
+        kernel.int8_rows_linear(torch.randn(1, 50), q.float(), scale)

@@ -14,13 +14,19 @@
 // outputs side by side; `rms_norm` is the Llama-family RMSNorm on the rows of a block, and `rope_` the rotary
 // embedding applied in place to q and k in that side-by-side output; `attention_tail` the rest of a decoder
 // layer after its K/V write, from attention to the next layer's input norm, in one call. They serve the lean
-// verify forward (infer/lean_forward.py).
+// verify forward (infer/lean_forward.py). `int8_rows_linear` streams a weight held as int8 rows, and
+// `argmax_logits` uses it to score only the tokens that could be a row's argmax (infer/argmax_head.py).
 
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
 
+#include <immintrin.h>
+
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -55,18 +61,34 @@ inline float sum_lanes(vec v) {
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// y[r, n + b] = x[r, :] . w[n + b, :] for r < R, b < B. x: [R, K] (row stride K), w: [N, K], y: rows of
-// stride ldy (N for one weight; the total width when several weights write side by side).
-template <int B, int R>
-inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t ldy, int64_t n) {
+// kLanes weights from w as fp32: a plain load, or int8 widened (one sign extension and one conversion; the
+// generic vector conversion of an int8 vector is not compiled to those two instructions).
+inline vec load_lanes(const float* w) { return *reinterpret_cast<const vec*>(w); }
+inline vec load_lanes(const int8_t* w) {
+#if defined(__AVX512F__)
+  __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+#else
+  __m256 f = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(w))));
+#endif
+  vec v;
+  std::memcpy(&v, &f, sizeof(v));
+  return v;
+}
+
+// y[r, n + b] = x[r, :] . w[n + b, :] (times scale[n + b] where `scale` is given) for r < R, b < B. x: [R, K]
+// (row stride K), w: [N, K] of T (fp32, or int8 converted to fp32 as it is loaded; the products and sums are
+// fp32 either way), y: rows of stride ldy (N for one weight; the total width when several write side by side).
+template <int B, int R, typename T>
+inline void tile(const float* x, const T* w, const float* scale, float* y, int64_t K, int64_t ldy, int64_t n) {
+  constexpr int64_t ahead = kPrefetch * sizeof(float) / sizeof(T);  // the same 1 KB ahead in any type
   vec acc[B][R] = {};
   int64_t k = 0;
   for (; k + kLanes <= K; k += kLanes) {
     vec wv[B];
     for (int b = 0; b < B; ++b) {
-      const float* row = w + (n + b) * K + k;
-      wv[b] = *reinterpret_cast<const vec*>(row);
-      __builtin_prefetch(row + kPrefetch, 0, 3);
+      const T* row = w + (n + b) * K + k;
+      wv[b] = load_lanes(row);
+      __builtin_prefetch(row + ahead, 0, 3);
     }
     for (int r = 0; r < R; ++r) {
       vec xv = *reinterpret_cast<const vec*>(x + r * K + k);
@@ -76,23 +98,24 @@ inline void tile(const float* x, const float* w, float* y, int64_t K, int64_t ld
   for (int b = 0; b < B; ++b) {
     for (int r = 0; r < R; ++r) {
       float s = sum_lanes(acc[b][r]);
-      for (int64_t t = k; t < K; ++t) s += w[(n + b) * K + t] * x[r * K + t];  // K not a multiple of kLanes
-      y[r * ldy + n + b] = s;
+      for (int64_t t = k; t < K; ++t) s += static_cast<float>(w[(n + b) * K + t]) * x[r * K + t];  // K % kLanes
+      y[r * ldy + n + b] = scale == nullptr ? s : s * scale[n + b];
     }
   }
 }
 
 // Weight rows [n, n + B) against all M input rows, kInputRows at a time.
-template <int B>
-void weight_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n) {
+template <int B, typename T = float>
+void weight_rows(const float* x, const T* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n,
+                 const float* scale = nullptr) {
   for (int64_t m = 0; m < M; m += kInputRows) {
     const float* xm = x + m * K;
     float* ym = y + m * ldy;
     switch (std::min(kInputRows, M - m)) {
-      case 1: tile<B, 1>(xm, w, ym, K, ldy, n); break;
-      case 2: tile<B, 2>(xm, w, ym, K, ldy, n); break;
-      case 3: tile<B, 3>(xm, w, ym, K, ldy, n); break;
-      default: tile<B, 4>(xm, w, ym, K, ldy, n); break;
+      case 1: tile<B, 1>(xm, w, scale, ym, K, ldy, n); break;
+      case 2: tile<B, 2>(xm, w, scale, ym, K, ldy, n); break;
+      case 3: tile<B, 3>(xm, w, scale, ym, K, ldy, n); break;
+      default: tile<B, 4>(xm, w, scale, ym, K, ldy, n); break;
     }
   }
 }
@@ -154,6 +177,125 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
   return few_rows_linear_cat(x_in, {weight}, {bias});
+}
+
+// y = (x @ q.T) * scale for a weight held as int8 rows q [N, K] with one fp32 scale a row [N]; x: [M, K] fp32.
+// A quarter of fp32's bytes to stream; each product and sum in fp32, so y differs from x @ (q * scale).T by
+// float rounding only. infer/argmax_head.py uses it to find the candidates for the target's greedy token.
+torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale_in) {
+  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "int8_rows_linear: x [M, K] float32 expected");
+  const int64_t M = x_in.size(0), K = x_in.size(1);
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == K && q.scalar_type() == torch::kChar && q.is_contiguous(),
+              "int8_rows_linear: q [N, K] int8 contiguous expected, with K = ", K);
+  const int64_t N = q.size(0);
+  TORCH_CHECK(scale_in.dim() == 1 && scale_in.size(0) == N && scale_in.scalar_type() == torch::kFloat,
+              "int8_rows_linear: scale [N] float32 expected");
+  const torch::Tensor x = x_in.contiguous(), scale = scale_in.contiguous();
+  torch::Tensor y = torch::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t blocks = N / kWeightRows, items = blocks + N % kWeightRows;
+  const int64_t threads = at::get_num_threads();
+  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      if (j < blocks) weight_rows<kWeightRows>(xp, qp, yp, M, K, N, j * kWeightRows, sp);
+      else weight_rows<1>(xp, qp, yp, M, K, N, blocks * kWeightRows + (j - blocks), sp);
+    }
+  });
+  return y;
+}
+
+// The logits x @ w.T + bias where a token could be the argmax of its row, -inf elsewhere, from the int8 copy
+// (q, scale) of w and a per-token radius rho with |(x @ (q * scale).T)_j - (x @ w.T)_j| <= ||x|| * rho_j for
+// any fp32 evaluation (infer/argmax_head.py derives it). Per row r: approx = x_r @ (q * scale).T + bias,
+// bound_j = ||x_r|| * (1 + rel_slack) * rho_j, floor = max_j (approx_j - bound_j) - abs_slack * (max |approx|
+// + max bound); token j is a candidate where approx_j + bound_j >= floor in any row, and its logit is then
+// computed from w's fp32 row in every row. x: [R, K] fp32, w: [V, K] fp32 contiguous. Returns [R, V], or an
+// empty tensor where x is not finite or more than max_candidates tokens are candidates (then the caller
+// computes the full head).
+torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weight, const torch::Tensor& q,
+                            const torch::Tensor& scale, const torch::Tensor& rho_in,
+                            const c10::optional<torch::Tensor>& bias_in, double rel_slack, double abs_slack,
+                            int64_t max_candidates) {
+  const torch::Tensor x = x_in.contiguous(), rho = rho_in.contiguous();
+  const int64_t R = x.size(0), V = q.size(0), K = x.size(1);
+  check_weight(weight, K, "argmax_logits");
+  TORCH_CHECK(weight.size(0) == V && rho.dim() == 1 && rho.size(0) == V && rho.scalar_type() == torch::kFloat,
+              "argmax_logits: weight [V, K] and rho [V] float32 expected, V = ", V);
+  const bool has_bias = bias_in.has_value() && bias_in->defined();
+  const torch::Tensor bias = has_bias ? bias_in->contiguous() : torch::Tensor();
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < R * K; ++i)
+    if (!std::isfinite(xp[i])) return torch::empty({0}, x.options());
+  torch::Tensor out = int8_rows_linear(x, q, scale);  // [R, V]: approx, then the logits in place
+  if (has_bias) out.add_(bias);
+  float* op = out.data_ptr<float>();
+  const float* rp = rho.data_ptr<float>();
+  float rho_max = 0.0f;
+  for (int64_t j = 0; j < V; ++j) rho_max = std::max(rho_max, rp[j]);
+  std::vector<float> norms(R), floors(R);
+  for (int64_t r = 0; r < R; ++r) {
+    double sq = 0.0;
+    for (int64_t k = 0; k < K; ++k) sq += static_cast<double>(xp[r * K + k]) * xp[r * K + k];
+    const float norm = norms[r] = static_cast<float>(std::sqrt(sq) * (1.0 + rel_slack));
+    const float* a = op + r * V;
+    // max_j (a_j - norm * rho_j) and max_j |a_j|, kLanes at a time (std::max on floats does not vectorize)
+    const vec normv = vec{} + norm;
+    vec lowv = vec{} - std::numeric_limits<float>::infinity(), magv = vec{};
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      const vec av = *reinterpret_cast<const vec*>(a + j), rv = *reinterpret_cast<const vec*>(rp + j);
+      const vec lv = av - normv * rv, mv = av < 0 ? -av : av;
+      lowv = lv > lowv ? lv : lowv;
+      magv = mv > magv ? mv : magv;
+    }
+    float low = -std::numeric_limits<float>::infinity(), magnitude = 0.0f;
+    for (int64_t l = 0; l < kLanes; ++l) {
+      low = std::max(low, lowv[l]);
+      magnitude = std::max(magnitude, magv[l]);
+    }
+    for (; j < V; ++j) {
+      low = std::max(low, a[j] - norm * rp[j]);
+      magnitude = std::max(magnitude, std::fabs(a[j]));
+    }
+    if (!std::isfinite(low) || !std::isfinite(magnitude)) return torch::empty({0}, x.options());
+    floors[r] = low - static_cast<float>(abs_slack) * (magnitude + norm * rho_max);
+  }
+  // margin_j = max_r (approx_rj + bound_rj - floor_r): token j is a candidate where it is >= 0
+  std::vector<float> margin(V, -std::numeric_limits<float>::infinity());
+  float* mp = margin.data();
+  for (int64_t r = 0; r < R; ++r) {
+    const float* a = op + r * V;
+    const float norm = norms[r], floor = floors[r];
+    const vec normv = vec{} + norm, floorv = vec{} + floor;
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      vec& m = *reinterpret_cast<vec*>(mp + j);
+      const vec c = *reinterpret_cast<const vec*>(a + j) + normv * *reinterpret_cast<const vec*>(rp + j) - floorv;
+      m = c > m ? c : m;
+    }
+    for (; j < V; ++j) mp[j] = std::max(mp[j], a[j] + norm * rp[j] - floor);
+  }
+  std::vector<int64_t> ids;
+  for (int64_t j = 0; j < V; ++j) {
+    if (mp[j] >= 0) {
+      ids.push_back(j);
+      if (static_cast<int64_t>(ids.size()) > max_candidates) return torch::empty({0}, x.options());
+    }
+  }
+  for (int64_t r = 0; r < R; ++r) std::fill(op + r * V, op + (r + 1) * V, -std::numeric_limits<float>::infinity());
+  const float* wp = weight.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  for (const int64_t j : ids) {
+    for (int64_t r = 0; r < R; ++r) {
+      float sum = 0.0f;
+      for (int64_t k = 0; k < K; ++k) sum += xp[r * K + k] * wp[j * K + k];
+      op[r * V + j] = bp == nullptr ? sum : sum + bp[j];
+    }
+  }
+  return out;
 }
 
 // RMSNorm over the last dimension, as Llama-family models compute it in fp32:
@@ -259,6 +401,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear_cat", &few_rows_linear_cat,
         "x [M, K] against several weights [N_i, K] (+ biases) at once -> [M, sum N_i], fp32",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"));
+  m.def("int8_rows_linear", &int8_rows_linear, "x [M, K] fp32 @ (q [N, K] int8 * scale [N, 1]).T, fp32 sums",
+        pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
+  m.def("argmax_logits", &argmax_logits,
+        "x @ w.T + bias where a token could be its row's argmax (from w's int8 copy q, scale), -inf elsewhere",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("q"), pybind11::arg("scale"),
+        pybind11::arg("rho"), pybind11::arg("bias"), pybind11::arg("rel_slack"), pybind11::arg("abs_slack"),
+        pybind11::arg("max_candidates"));
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2, -1) + eps) over the rows of x [M, K], fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place on the first `heads` heads of qkv [M, width], fp32",

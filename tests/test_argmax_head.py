@@ -1,0 +1,142 @@
+"""The int8 argmax head: the greedy token of the full fp32 LM head, found from an int8 copy and a proven
+bound, and the engine reading it only where nothing but the argmax is used."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import tiny_model
+from transformers import GenerationConfig
+
+from infer import SelfSpecModel, cpu_linear
+from infer.argmax_head import ArgmaxHead
+
+IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    built = cpu_linear.streamed_kernel()
+    if built is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    return built
+
+
+def _check(head: ArgmaxHead, x: torch.Tensor, bias: torch.Tensor | None):
+    """head.logits(x) has the full head's argmax in every row, the full head's logits where finite, -inf
+    elsewhere, and leaves most of the vocabulary out."""
+    expected = F.linear(x, head.weight, bias)
+    got = head.logits(x, bias)
+    assert torch.equal(got.argmax(-1), expected.argmax(-1))
+    finite = torch.isfinite(got)
+    torch.testing.assert_close(got[finite], expected[finite], rtol=1e-5, atol=1e-5)
+    assert (got[~finite] == -float("inf")).all()
+    return finite
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+def test_the_argmax_is_the_full_heads(kernel, rows, with_bias):
+    # 4,099 tokens (not a multiple of the 4 rows the kernel streams together), 72 inputs (not of its lanes);
+    # heavy-tailed rows, so per-row int8 scales differ widely
+    torch.manual_seed(rows)
+    weight = torch.randn(4099, 72) * torch.rand(4099, 1) * 0.2
+    weight[::7, 3] = 1.5  # some rows with one large weight: coarse int8 steps for the rest of the row
+    bias = torch.randn(4099) * 0.1 if with_bias else None
+    head = ArgmaxHead(weight, kernel)
+    x = torch.randn(rows, 72) * 3
+    finite = _check(head, x, bias)
+    assert finite.any(0).sum() < 0.125 * 4099
+
+
+def test_a_token_the_int8_copy_ranks_wrong_is_still_the_one_found(kernel):
+    # With x = 1, token 0's weights (0.1, and one 1.0 that sets its int8 step to 1/127) round up to 13/127,
+    # so its int8 logit overshoots its true 4.1; token 1's weights sit on the int8 grid (true 397/127 + 1 =
+    # 4.126). The int8 copy ranks token 0 first, the full head token 1.
+    k = 32
+    weight = torch.zeros(64, k)
+    weight[0] = 0.1
+    weight[0, 0] = 1.0
+    weight[1, 0] = 1.0
+    weight[1, 1:26] = 13 / 127
+    weight[1, 26:] = 12 / 127
+    weight[2:] = torch.randn(62, k) * 0.01
+    x = torch.ones(1, k)
+    head = ArgmaxHead(weight, kernel)
+    assert int(kernel.int8_rows_linear(x, head.q, head.scale).argmax()) == 0  # the int8 copy alone is wrong
+    assert int(F.linear(x, weight).argmax()) == 1
+    assert int(head.logits(x).argmax()) == 1
+    assert torch.isfinite(head.logits(x)[0, :2]).all()
+
+
+def test_rows_that_are_not_finite_get_the_full_head(kernel):
+    torch.manual_seed(0)
+    head = ArgmaxHead(torch.randn(512, 32), kernel)
+    x = torch.randn(2, 32)
+    x[1, 5] = float("nan")
+    torch.testing.assert_close(head.logits(x), F.linear(x, head.weight), equal_nan=True)
+
+
+def test_a_flat_head_is_scored_in_full(kernel):
+    # every token within the bound of the best: no saving to be had, so the full head answers
+    weight = torch.full((256, 16), 0.5) + torch.randn(256, 16) * 1e-4
+    head = ArgmaxHead(weight, kernel)
+    x = torch.randn(1, 16)
+    torch.testing.assert_close(head.logits(x), F.linear(x, weight))
+
+
+def test_bad_weights_are_refused(kernel):
+    with pytest.raises(ValueError, match="fp32 CPU weight"):
+        ArgmaxHead(torch.randn(8, 4, dtype=torch.float16), kernel)
+
+
+def _big_vocab_target():
+    # a vocabulary large enough that the candidates are a small share of it (the head's whole point)
+    return tiny_model("llama", vocab_size=2048)
+
+
+def test_greedy_verify_reads_it_and_stays_exact(kernel):
+    target = _big_vocab_target()
+    ids = torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(0))
+    ids[:, 6:] = ids[:, :6]  # a repeat, so prompt lookup drafts
+    expected = target.generate(ids, max_new_tokens=30, do_sample=False)
+    heads_made = []
+    for int8_argmax in (True, False):
+        model = SelfSpecModel(target, "ngram", int8_argmax=int8_argmax)
+        assert torch.equal(model.generate(ids, max_new_tokens=30), expected)
+        assert model.last_stats["verify_forward"] == "lean"
+        assert model.last_stats["int8_argmax"] is int8_argmax
+        heads_made.append(len(model._packed))
+    assert heads_made[0] > heads_made[1]  # the int8 copy lives in the engine's cache, not on the model
+
+
+def test_it_stands_aside_where_more_than_the_argmax_is_read(kernel):
+    target = _big_vocab_target()
+    model = SelfSpecModel(target, "ngram")
+    model.generate(IDS, max_new_tokens=8, do_sample=True, generator=torch.Generator().manual_seed(0))
+    assert model.last_stats["int8_argmax"] is False
+    for config in (GenerationConfig(max_new_tokens=8, suppress_tokens=[3]),
+                   GenerationConfig(max_new_tokens=8, min_new_tokens=4, eos_token_id=2)):
+        expected = target.generate(IDS, generation_config=config, do_sample=False)
+        assert torch.equal(model.generate(IDS, generation_config=config), expected)
+        assert model.last_stats["int8_argmax"] is False
+    typical = SelfSpecModel(target, "ngram", typical_acceptance=True)
+    typical.generate(IDS, max_new_tokens=8)
+    assert typical.last_stats["int8_argmax"] is False
+
+
+def test_a_head_weight_changed_in_place_is_requantized(kernel):
+    target = _big_vocab_target()
+    model = SelfSpecModel(target, "ngram")
+    model.generate(IDS, max_new_tokens=8)
+    with torch.no_grad():
+        target.lm_head.weight.mul_(-1)  # in place: same tensor, new version
+    expected = target.generate(IDS, max_new_tokens=20, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=20), expected)
+    assert model.last_stats["int8_argmax"] is True
+
+
+def test_int8_argmax_setting_is_checked():
+    with pytest.raises(ValueError, match="int8_argmax must be True or False"):
+        SelfSpecModel(tiny_model("llama"), "ngram", int8_argmax="yes")
