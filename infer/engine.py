@@ -28,8 +28,8 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu_linear, gqa_attention, lean_forward
-from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .argmax_head import ArgmaxHead
+from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .embedded import target_tokenizer
 from .kv import KVState, forward_block, prompt_tree
