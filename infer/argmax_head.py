@@ -51,16 +51,13 @@ class ArgmaxHead:
         if self.kernel is None:
             raise ValueError("ArgmaxHead needs selfspec's CPU kernel, which could not be built here")
         self.weight = weight
+        self.q, self.scale = cpu_linear.int8_rows(weight.detach())  # [V, K] int8, [V]
         with torch.no_grad():
             w = weight.detach().double()  # [V, K]
-            scale = (w.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny).float()  # [V]
-            q = (w / scale.double()[:, None]).round().clamp(-127, 127)
-            approx = q * scale.double()[:, None]  # w^ exactly: an int8 times an fp32 scale fits float64
+            approx = self.q.double() * self.scale.double()[:, None]  # w^ exactly: int8 times fp32 fits float64
             k = weight.shape[1] + 2  # the K products' sum, then the scale (and the bias)
             gamma = k * _U / (1 - k * _U)
             rho = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
-            self.q = q.to(torch.int8).contiguous()  # [V, K]
-            self.scale = scale  # [V]
             self.rho = (rho * (1 + _RELATIVE_SLACK)).float()  # [V], rounded up by the slack
         self.max_candidates = int(FULL_FRACTION * weight.shape[0])
 

@@ -246,6 +246,15 @@ class Int4Linear(nn.Module):
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
+def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 weight [N, K] as int8 rows with one fp32 scale each (symmetric): (q [N, K] int8 contiguous,
+    scale [N]), weight ~ q * scale[:, None]."""
+    with torch.no_grad():
+        scale = (weight.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
+        q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+    return q, scale
+
+
 class Int8Linear(nn.Module):
     """A linear layer whose weight is held as int8 per output row (symmetric, one scale a row), run by
     torch's CPU int8 weight-only kernel with bfloat16 activations; the output comes back in the input's
@@ -253,9 +262,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        weight = weight.detach().float()
-        scale = (weight.abs().amax(1) / 127).clamp(min=torch.finfo(torch.float32).tiny)  # [N]
-        q = (weight / scale[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        q, scale = int8_rows(weight.detach().float())
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)
         self.bias = None if bias is None else bias.detach().clone()

@@ -9,6 +9,8 @@ question so that every method sees the same machine state:
     <drafter>  SelfSpecModel(target, drafter, lookup_first=False).generate(...) -- one per --drafter: the
                        drafter alone, even where its config makes prompt lookup first its default
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
+    <drafter>+fp32heads  the same without the int8 LM heads (int8_argmax, int8_draft_head off); the suffixes
+                       +compile, +static and +modules set the other SelfSpecModel options of their names
     oracle:<alpha>     SelfSpecModel drafting the baseline's own answer, each token wrong with probability
                        1 - alpha (`--oracle`): acceptance is set, drafting is free, so tokens/s against the
                        ideal (1 - alpha^(K+1)) / (1 - alpha) tokens per plain step is the engine's overhead
@@ -176,11 +178,12 @@ def hf_method(target, name: str, **generate_kwargs) -> Method:
 
 
 def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False,
-                  static_cache: bool = False, lean_verify: bool | None = None) -> Method:
+                  static_cache: bool = False, lean_verify: bool | None = None, int8_heads: bool = True) -> Method:
+    """`int8_heads`: SelfSpecModel's `int8_argmax` and `int8_draft_head` (False: the fp32 LM heads)."""
     from infer import SelfSpecModel
 
     model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache,
-                          lean_verify=lean_verify)
+                          lean_verify=lean_verify, int8_argmax=int8_heads, int8_draft_head=int8_heads)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
@@ -260,7 +263,9 @@ LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., looku
 COMPILE_SUFFIX = "+compile"  # `--drafter <spec>+compile`: SelfSpecModel(..., compile=True)
 STATIC_SUFFIX = "+static"  # `--drafter <spec>+static`: SelfSpecModel(..., static_cache=True)
 MODULES_SUFFIX = "+modules"  # `--drafter <spec>+modules`: SelfSpecModel(..., lean_verify=False)
-SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX, MODULES_SUFFIX)
+# `--drafter <spec>+fp32heads`: SelfSpecModel(..., int8_argmax=False, int8_draft_head=False)
+FP32_HEADS_SUFFIX = "+fp32heads"
+SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX, MODULES_SUFFIX, FP32_HEADS_SUFFIX)
 
 
 def _serve_module():
@@ -324,7 +329,8 @@ def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
         drafter.to(target.device)  # a drafter keeps its own dtype; it must sit on the target's device
     return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
                          COMPILE_SUFFIX in options, STATIC_SUFFIX in options,
-                         lean_verify=False if MODULES_SUFFIX in options else None)
+                         lean_verify=False if MODULES_SUFFIX in options else None,
+                         int8_heads=FP32_HEADS_SUFFIX not in options)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -730,8 +736,9 @@ def main(argv=None) -> int:
                              "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
                              f"{LOOKUP_SUFFIX!r} (prompt lookup first), {COMPILE_SUFFIX!r} (the drafter's "
                              f"forwards compiled; with {STATIC_SUFFIX!r} the verify too), {STATIC_SUFFIX!r} "
-                             f"(the target's static KV cache) and/or {MODULES_SUFFIX!r} (verify through the "
-                             "model's own modules, not the lean forward); repeat for several")
+                             f"(the target's static KV cache), {MODULES_SUFFIX!r} (verify through the "
+                             f"model's own modules, not the lean forward) and/or {FP32_HEADS_SUFFIX!r} (the "
+                             "target's and drafter's fp32 LM heads, not their int8 copies); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")

@@ -215,7 +215,12 @@ def test_saved_drafter_with_tree_override(questions_file, tmp_path):
     assert lookup.name == "eagle:eagle+lookup"
     for spec in ("early_exit:1+compile+lookup", "early_exit:1+lookup+compile"):  # either order
         assert bench.drafter_method(spec, target).name == "early_exit:1" + spec.partition("1")[2]
-    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name), lookup]
+    fp32_heads = bench.drafter_method(str(tmp_path / "eagle") + "+lookup+fp32heads", target)
+    assert fp32_heads.name == "eagle:eagle+lookup+fp32heads"
+    ids = torch.tensor([[3, 4, 5, 3, 4, 5]])
+    assert lookup.run(ids, 4)[1]["int8_argmax"] is True and fp32_heads.run(ids, 4)[1]["int8_argmax"] is False
+    methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name), lookup,
+               fp32_heads]
     result = bench.run_bench(target, tokenizer, bench.load_questions(questions_file), methods, max_new_tokens=8,
                              progress=False, warmup=False)
     assert result["mismatches"] == []  # an untrained drafter is slow, never wrong

@@ -292,14 +292,36 @@ def test_eagle3_lean_forward_is_the_drafters(stream_rows, options):
         torch.testing.assert_close(layer_got.values, layer_expected.values, rtol=1e-5, atol=1e-5)
 
 
+def test_eagle3_int8_head_scores_the_draft_vocabulary_from_one_kept_copy():
+    _kernel()
+    target = tiny_model("llama")
+    drafter = _eagle3(target)
+    cache = cpu_linear.PackCache()
+    fp32, int8 = LeanEagle3(drafter, 16), LeanEagle3(drafter, 16, int8_head=cache)
+    assert LeanEagle3(drafter, 16, int8_head=cache).head_rows is int8.head_rows  # made once, kept in the cache
+    torch.manual_seed(2)
+    y = torch.randn(2, 5, target.config.hidden_size)
+    expected, got = fp32._head(y), int8._head(y)
+    assert got.shape == expected.shape
+    q, scale = int8.head_rows
+    torch.testing.assert_close(got, y @ (q.float() * scale[:, None]).T, rtol=1e-5, atol=1e-5)  # the int8 copy's
+    # and close to the fp32 head's: at most half an int8 step per weight, summed over the row
+    bound = y.abs().sum(-1, keepdim=True) * scale / 2
+    assert ((got - expected).abs() <= bound * 1.001 + 1e-6).all()
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
+
+
 def test_generate_drafts_with_the_lean_eagle3_forward_and_stays_exact():
     target = tiny_model("llama")
     drafter = _eagle3(target)
     expected = target.generate(IDS, max_new_tokens=24, do_sample=False)
-    for lean_verify, net in ((None, LeanEagle3), (False, type(drafter))):
-        model = SelfSpecModel(target, drafter, lean_verify=lean_verify)
+    for lean_verify, int8_draft_head, net in ((None, True, LeanEagle3), (None, False, LeanEagle3),
+                                              (False, True, type(drafter))):
+        model = SelfSpecModel(target, drafter, lean_verify=lean_verify, int8_draft_head=int8_draft_head)
         assert torch.equal(model.generate(IDS, max_new_tokens=24), expected)
         assert type(model.drafter.net) is net
+        if net is LeanEagle3:
+            assert (model.drafter.net.head_rows is not None) is int8_draft_head
     calls = []
     handle = drafter.lm_head.register_forward_hook(lambda *args: calls.append(1))
     try:  # a hook of the user's on the drafter: its forwards go through the modules, which the hook sees

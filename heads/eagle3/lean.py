@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from infer import cpu_linear
 from infer.lean_forward import (
     LeanLayers,
     Linears,
@@ -50,12 +51,19 @@ class LeanEagle3(LeanLayers):
     [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden [B, T, D],
     logits over the draft vocabulary)."""
 
-    def __init__(self, model, stream_rows: int):
+    def __init__(self, model, stream_rows: int, int8_head: cpu_linear.PackCache | None = None):
+        """`int8_head`: score the draft vocabulary from an int8 copy of the LM head (one scale a row, kept in
+        this cache): a quarter of its bytes, and drafts that may differ from the fp32 head's at near-ties. Only
+        the tree changes, never the output, and a top-k draft's sampling stays exact (its q is one-hot)."""
         super().__init__(self.read_or_refuse(read, model, "drafter"), stream_rows, None)
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]
         self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
         self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
+        kernel = cpu_linear.streamed_kernel() if int8_head is not None else None
+        self.int8_kernel = kernel
+        self.head_rows = None if kernel is None else int8_head.derived(model.lm_head.weight, "int8 rows",
+                                                                        cpu_linear.int8_rows)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -76,4 +84,14 @@ class LeanEagle3(LeanLayers):
         h = residual
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
             h, y = self._layer(h, y, layer, i, past_key_values, attention_mask, rotary, next_norm)
-        return h, self._linear(y, self.lm_head)
+        return h, self._head(y)
+
+    def _head(self, y: torch.Tensor) -> torch.Tensor:
+        """y [B, T, D] -> logits over the draft vocabulary [B, T, V']."""
+        if self.head_rows is None:
+            return self._linear(y, self.lm_head)
+        logits = self.int8_kernel.int8_rows_linear(y.reshape(-1, y.shape[-1]), *self.head_rows)
+        bias = self.lm_head.biases[0]
+        if bias is not None:
+            logits += bias
+        return logits.view(*y.shape[:-1], logits.shape[-1])
