@@ -226,7 +226,7 @@ class SelfSpecModel:
         the compiles. A compiler failure falls back to eager with one warning. On this project's CPU the
         compiled verify did not pay (docs/benchmarks.md).
 
-        `lean_verify`: run the target's verify forwards as `infer.lean_forward.LeanForward` computes them
+        `lean_verify`: run the target's prefill and verify forwards as `infer.lean_forward.LeanForward` computes them
         (the same function in fewer, larger ops, on the user's weights as they are) instead of through the
         model's modules. None = wherever it can: with `cpu_prepack` on a Llama-layout target
         (`lean_forward.why_not`, checked again at every call), not compiled, and no forward hook of the
@@ -448,7 +448,8 @@ class SelfSpecModel:
     def _prefill(self, kv, input_ids, attention_mask, settings, generator, stats: dict) -> TargetStep:
         depth, ancestors, valid = prompt_tree(attention_mask)
         tic = time.perf_counter()
-        out = forward_block(self.target, kv, depth, ancestors, valid, input_ids=input_ids,
+        model = self._lean if self._lean is not None else self.target  # the lean forward: about 10 ms less here
+        out = forward_block(model, kv, depth, ancestors, valid, input_ids=input_ids,
                             output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
         stats["target_seconds"] += time.perf_counter() - tic  # inside the target's forward
         kv.mark_valid(valid)

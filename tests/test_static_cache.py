@@ -120,19 +120,22 @@ def test_the_cache_is_kept_for_later_calls_of_the_same_shape():
 
 def test_verify_blocks_are_padded_to_a_few_shapes(monkeypatch):
     assert [verify_bucket(n) for n in (1, 3, 8, 9, 60, 128, 129, 300)] == [1, 4, 8, 16, 64, 128, 256, 384]
+    import infer.engine
+
     target = tiny_model("llama")
     seen = []
-    forward = target.forward
+    forward_block = infer.engine.forward_block
 
-    def spy(*args, **kwargs):
+    def spy(model, kv, *args, **kwargs):  # every target forward of the engine: the prefill, then each verify
         seen.append(kwargs["input_ids"].shape[1])
-        return forward(*args, **kwargs)
+        return forward_block(model, kv, *args, **kwargs)
 
-    monkeypatch.setattr(target, "forward", spy)
-    SelfSpecModel(target, "lookahead:4,3,4", static_cache=True).generate(torch.tensor([[5, 9, 14, 5, 9, 14, 5]]),
-                                                                         max_new_tokens=24)
+    monkeypatch.setattr(infer.engine, "forward_block", spy)
+    model = SelfSpecModel(target, "lookahead:4,3,4", static_cache=True)
+    model.generate(torch.tensor([[5, 9, 14, 5, 9, 14, 5]]), max_new_tokens=24)
     assert seen[0] == 7  # the prefill is the prompt itself
-    assert set(seen[1:]) <= set(VERIFY_BUCKETS)
+    assert len(seen) == model.last_stats["target_forwards"] > 1
+    assert set(seen[1:]) <= set(VERIFY_BUCKETS) and set(seen[1:]) != {1}
 
 
 def test_request_larger_than_the_static_cache_is_refused_before_any_work():
