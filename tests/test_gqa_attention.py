@@ -40,6 +40,9 @@ def test_runs_during_generate_only(monkeypatch):
     ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
     expected = target.generate(ids, max_new_tokens=20, do_sample=False)
     assert not calls
-    assert torch.equal(SelfSpecModel(target, "ngram").generate(ids, max_new_tokens=20), expected)
-    assert any(rows > 1 for rows in calls)  # the verify blocks went through it
+    # through the model's modules (the lean forward, the default here, runs no attention module at all)
+    model = SelfSpecModel(target, "ngram", lean_verify=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
+    assert len(calls) == model.last_stats["target_forwards"] * target.config.num_hidden_layers
+    assert any(1 < rows < ids.shape[1] for rows in calls)  # verify blocks, not only the prefill, went through it
     assert target.config._attn_implementation == "sdpa"  # and the user's setting is back
