@@ -120,6 +120,16 @@ void weight_rows(const float* x, const T* w, float* y, int64_t M, int64_t K, int
   }
 }
 
+// Work item `item` of a weight with N rows, against all M input rows: its blocks of kWeightRows rows come first,
+// then the rows left over, one item each (so N / kWeightRows + N % kWeightRows items in all).
+template <typename T>
+inline void weight_item(const float* x, const T* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t N,
+                        int64_t item, const float* scale = nullptr) {
+  const int64_t blocks = N / kWeightRows;
+  if (item < blocks) weight_rows<kWeightRows>(x, w, y, M, K, ldy, item * kWeightRows, scale);
+  else weight_rows<1>(x, w, y, M, K, ldy, blocks * kWeightRows + (item - blocks), scale);
+}
+
 void check_weight(const torch::Tensor& weight, int64_t K, const char* name) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat, name, ": float32 only");
@@ -160,10 +170,7 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
     size_t i = 0;
     for (int64_t j = begin; j < end; ++j) {
       while (j >= first[i + 1]) ++i;
-      const float* wp = weights[i].data_ptr<float>();
-      const int64_t blocks = weights[i].size(0) / kWeightRows, local = j - first[i];
-      if (local < blocks) weight_rows<kWeightRows>(xp, wp, yp + column[i], M, K, width, local * kWeightRows);
-      else weight_rows<1>(xp, wp, yp + column[i], M, K, width, blocks * kWeightRows + (local - blocks));
+      weight_item(xp, weights[i].data_ptr<float>(), yp + column[i], M, K, width, weights[i].size(0), j - first[i]);
     }
   });
   for (size_t i = 0; i < biases.size(); ++i) {
@@ -196,13 +203,10 @@ torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scale.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = N / kWeightRows, items = blocks + N % kWeightRows;
+  const int64_t items = N / kWeightRows + N % kWeightRows;
   const int64_t threads = at::get_num_threads();
   at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) {
-      if (j < blocks) weight_rows<kWeightRows>(xp, qp, yp, M, K, N, j * kWeightRows, sp);
-      else weight_rows<1>(xp, qp, yp, M, K, N, blocks * kWeightRows + (j - blocks), sp);
-    }
+    for (int64_t j = begin; j < end; ++j) weight_item(xp, qp, yp, M, K, N, N, j, sp);
   });
   return y;
 }
