@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import tiny_model
 from torch import nn
 
@@ -245,6 +246,84 @@ def test_rope_in_place_matches_the_models(rows):
     assert torch.equal(got[:, h + kvh:], v)  # values are not rotated
     with pytest.raises(RuntimeError, match="do not fit"):
         kernel.rope_(qkv, cos[0], sin[0], h + 2 * kvh + 1)
+
+
+def _attention_case(heads: int, kv_heads: int, head_dim: int, rows: int, slots: int, seed: int = 0):
+    """A verify block's attention inputs: q's heads first in a fused projection, the cache's K/V as views of
+    larger buffers (as the engine's cache holds them), and a tree mask that hides some slots."""
+    torch.manual_seed(seed)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim) * 2
+    keys = torch.randn(1, kv_heads, slots + 40, head_dim)[:, :, :slots]
+    values = torch.randn(1, kv_heads, slots + 40, head_dim)[:, :, :slots]
+    hidden = torch.rand(1, 1, rows, slots) < 0.3
+    hidden[..., -1] = False  # every row sees at least itself
+    mask = torch.zeros(1, 1, rows, slots).masked_fill(hidden, float("-inf"))
+    return qkv, keys, values, mask
+
+
+def _sdpa(qkv, keys, values, mask, heads):
+    rows, head_dim = qkv.shape[0], keys.shape[-1]
+    q = qkv.view(1, rows, -1, head_dim)[:, :, :heads].transpose(1, 2)
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=head_dim ** -0.5,
+                                         enable_gqa=keys.shape[1] != heads)
+    return out.transpose(1, 2).reshape(rows, heads * head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64])
+@pytest.mark.parametrize(("rows", "slots"), [(1, 5), (4, 37), (9, 300)])
+def test_few_rows_attention_matches_sdpa(head_dim, rows, slots):
+    kernel = _kernel()
+    for heads, kv_heads in ((9, 3), (4, 4)):  # SmolLM2's grouping, and one K/V head per query head
+        qkv, keys, values, mask = _attention_case(heads, kv_heads, head_dim, rows, slots, seed=rows)
+        got = kernel.few_rows_attention(qkv, keys, values, mask, heads, head_dim ** -0.5).double()
+        exact = _sdpa(qkv.double(), keys.double(), values.double(), mask.double(), heads)
+        sdpa_error = (_sdpa(qkv, keys, values, mask, heads).double() - exact).abs().max()
+        assert (got - exact).abs().max() <= 2 * sdpa_error + 1e-7  # as close to exact as SDPA in float
+
+
+def test_few_rows_attention_edge_rows_and_bad_input():
+    kernel = _kernel()
+    qkv, keys, values, mask = _attention_case(2, 1, 16, 3, 20)
+    mask[0, 0, 1] = float("-inf")  # a row that sees nothing: zeros
+    mask[0, 0, 2, :-1] = float("-inf")  # a row that sees one slot: that slot's values, in both heads
+    got = kernel.few_rows_attention(qkv, keys, values, mask, 2, 0.25)
+    assert torch.equal(got[1], torch.zeros(32))
+    torch.testing.assert_close(got[2], values[0, 0, -1].repeat(2), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[0], _sdpa(qkv, keys, values, mask, 2)[0], rtol=1e-5, atol=1e-6)
+    qkv[0, 3] = float("nan")  # a NaN in row 0's first head: that head's output is NaN, as SDPA's, the other not
+    got = kernel.few_rows_attention(qkv, keys, values, mask, 2, 0.25)
+    assert got[0, :16].isnan().all() and not got[0, 16:].isnan().any()
+    with pytest.raises(RuntimeError, match="few_rows_attention: qkv"):
+        kernel.few_rows_attention(qkv, keys, values, mask[..., :-1], 2, 0.25)  # mask one slot short
+
+
+def test_few_rows_attention_in_the_avx2_code():
+    if "avx512f" not in cpu_linear._cpu_flags().split():
+        pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
+    kernel = cpu_linear.build_kernel(("-mno-avx512f",))
+    if kernel is None:
+        pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
+    for head_dim in (8, 64):
+        qkv, keys, values, mask = _attention_case(9, 3, head_dim, 4, 45)
+        got = kernel.few_rows_attention(qkv, keys, values, mask, 9, head_dim ** -0.5)
+        torch.testing.assert_close(got, _sdpa(qkv, keys, values, mask, 9), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_lean_forward_with_heads_the_attention_kernel_takes(head_dim):
+    # the tiny models' heads (8 wide) are too narrow for the AVX-512 build's attention; these are not
+    _kernel()
+    target = tiny_model("llama", hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1)
+    lean = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    prompt = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
+    depth, valid = torch.tensor([[0, 1, 1, 2]]), torch.ones(1, 4, dtype=torch.bool)
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
+    outs = []
+    with torch.no_grad():
+        for model in (target, lean):
+            kv = _after_prompt(target, prompt, torch.ones_like(prompt))
+            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=torch.tensor([[11, 12, 13, 14]])))
+    torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5 * float(outs[0].logits.abs().max()))
 
 
 # ------------------------------------------------------------------------- the EAGLE-3 drafter's forward

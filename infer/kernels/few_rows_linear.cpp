@@ -16,7 +16,8 @@
 // `few_rows_linear_cat` runs several weights sharing an input in one pass (q/k/v, gate/up), writing their
 // outputs side by side; `rms_norm` is the Llama-family RMSNorm on the rows of a block, and `rope_` the rotary
 // embedding applied in place to q and k in that side-by-side output; `attention_tail` the rest of a decoder
-// layer after its K/V write, from attention to the next layer's input norm, in one call. They serve the lean
+// layer after its K/V write, from attention to the next layer's input norm, in one call, its attention by
+// `few_rows_attention` where that takes the shapes. They serve the lean
 // verify forward (infer/lean_forward.py). `int8_rows_linear` streams a weight held as int8 rows, and
 // `argmax_logits` uses it to score only the tokens that could be a row's argmax (infer/argmax_head.py).
 
@@ -63,6 +64,29 @@ inline float sum_lanes(vec v) {
 #endif
   vec4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+// The lane sums of four vectors at once: {sum(a), sum(b), sum(c), sum(d)}, halving all four together (a third
+// of the shuffles and adds of four sum_lanes).
+inline vec4 sum_lanes4(vec a, vec b, vec c, vec d) {
+#if defined(__AVX512F__)
+  const vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+                 __builtin_shufflevector(c, d, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  const vec quarters = __builtin_shufflevector(ab, cd, 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+                       __builtin_shufflevector(ab, cd, 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const vec8 x = __builtin_shufflevector(quarters, quarters, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(quarters, quarters, 2, 3, 6, 7, 10, 11, 14, 15);
+#else
+  const vec ab = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vec cd = __builtin_shufflevector(c, d, 0, 1, 2, 3, 8, 9, 10, 11) +
+                 __builtin_shufflevector(c, d, 4, 5, 6, 7, 12, 13, 14, 15);
+  const vec8 x = __builtin_shufflevector(ab, cd, 0, 1, 4, 5, 8, 9, 12, 13) +
+                 __builtin_shufflevector(ab, cd, 2, 3, 6, 7, 10, 11, 14, 15);
+#endif
+  return __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
 }
 
 // kLanes weights from w as fp32: a plain load, or int8 widened (one sign extension and one conversion; the
@@ -362,6 +386,200 @@ void rope_(torch::Tensor& qkv, const torch::Tensor& cos_in, const torch::Tensor&
 
 namespace {
 
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// e^x lane by lane, for a softmax (x <= 0 there): 2^n * e^f with n = round(x / ln 2) and |f| <= ln 2 / 2, e^f
+// by its Taylor polynomial to f^7 (truncation under 6e-9 relative, below float's rounding); 0 below -87, where
+// e^x leaves float's normal range (a masked slot's -inf), and NaN where x is NaN.
+inline vec exp_lanes(vec x) {
+  const vec magic = vec{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds a float to an integer
+  const vec low = vec{} - 87.0f;
+  const vec xc = x < low ? low : x;
+  const vec n = (xc * 1.44269504f + magic) - magic;
+  const vec f = (xc - n * 0.693359375f) + n * 2.12194440e-4f;  // x - n ln 2, ln 2 in two parts (Cody-Waite)
+  vec e = vec{} + (1.0f / 5040);
+  e = e * f + (1.0f / 720);
+  e = e * f + (1.0f / 120);
+  e = e * f + (1.0f / 24);
+  e = e * f + (1.0f / 6);
+  e = e * f + 0.5f;
+  e = e * f + 1.0f;
+  e = e * f + 1.0f;
+  const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;  // 2^n, for -126 <= n <= 0
+  vec two_n;
+  std::memcpy(&two_n, &bits, sizeof(two_n));
+  e *= two_n;
+  e = x < low ? vec{} : e;
+  return x != x ? x : e;
+}
+
+// Whether few_rows_attention takes these inputs (else SDPA runs them).
+bool few_rows_attention_fits(const torch::Tensor& qkv, const torch::Tensor& keys, const torch::Tensor& values,
+                             const torch::Tensor& mask, int64_t heads) {
+  if (qkv.dim() != 2 || keys.dim() != 4 || !mask.defined() || mask.dim() != 4) return false;
+  const int64_t B = keys.size(0), KVH = keys.size(1), S = keys.size(2), D = keys.size(3);
+  return B > 0 && KVH > 0 && S > 0 && heads > 0 && heads % KVH == 0 && qkv.size(0) % B == 0 && heads * D <= qkv.size(1) &&
+         (D == kLanes || D == 2 * kLanes || D == 4 * kLanes || D == 8 * kLanes) && qkv.is_contiguous() &&
+         qkv.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
+         values.scalar_type() == torch::kFloat && values.sizes() == keys.sizes() && keys.stride(3) == 1 &&
+         values.stride(3) == 1 && mask.scalar_type() == torch::kFloat && mask.size(0) == B && mask.size(1) == 1 &&
+         mask.size(2) == qkv.size(0) / B && mask.size(3) == S;
+}
+
+}  // namespace
+
+namespace {
+
+constexpr int64_t kSlotBlock = 32;  // K (or V) rows that stay in L1 while every query of a group reads them
+
+// The queries of one K/V head (its query heads' rows of a block) against it: out_i = softmax(q_i . K * scale +
+// mask_i) V for i < Q, with C vectors of kLanes floats a head (a compile-time count, so q and the sums stay in
+// registers). Slots go in blocks of kSlotBlock, each block read by every query while it is in L1: a K/V head of
+// 300 slots is 150 KB, so a query at a time would read it from L2 once per query.
+// q, out, mask: Q row pointers; K, V: S rows of stride key_step / value_step; w: scratch for Q * (S + kLanes)
+// floats; inverse: scratch for Q floats.
+template <int C>
+void attend_group(const float* const* q, float* const* out, const float* const* mask, int64_t Q, const float* K,
+                  int64_t key_step, const float* V, int64_t value_step, int64_t S, float scale, float* w,
+                  float* inverse) {
+  const float minus_inf = -std::numeric_limits<float>::infinity();
+  const int64_t ld = S + kLanes;
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {  // 1. scores
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    for (int64_t i = 0; i < Q; ++i) {
+      vec qv[C];
+      for (int c = 0; c < C; ++c) qv[c] = load_lanes(q[i] + c * kLanes);
+      float* wi = w + i * ld;
+      int64_t s = s0;
+      for (; s + 4 <= s1; s += 4) {  // four slots a step, their lane sums taken together
+        const float* k = K + s * key_step;
+        vec acc[4];
+        for (int j = 0; j < 4; ++j) acc[j] = qv[0] * load_lanes(k + j * key_step);
+        for (int c = 1; c < C; ++c)
+          for (int j = 0; j < 4; ++j) acc[j] += qv[c] * load_lanes(k + j * key_step + c * kLanes);
+        vec4 sums = sum_lanes4(acc[0], acc[1], acc[2], acc[3]) * scale;
+        for (int j = 0; j < 4; ++j) wi[s + j] = sums[j] + mask[i][s + j];
+      }
+      for (; s < s1; ++s) {
+        const float* k = K + s * key_step;
+        vec acc = qv[0] * load_lanes(k);
+        for (int c = 1; c < C; ++c) acc += qv[c] * load_lanes(k + c * kLanes);
+        wi[s] = sum_lanes(acc) * scale + mask[i][s];
+      }
+    }
+  }
+  for (int64_t i = 0; i < Q; ++i) {  // 2. e^(score - max) and 1 / their sum; 0 for a row that sees no slot
+    float* wi = w + i * ld;
+    std::fill(wi + S, wi + ld, minus_inf);  // the lanes past S weigh nothing
+    vec tops = vec{} + minus_inf;
+    for (int64_t s = 0; s < S; s += kLanes) {
+      const vec x = load_lanes(wi + s);
+      tops = x > tops || x != x ? x : tops;  // a NaN score makes the row NaN, as in SDPA
+    }
+    float top = minus_inf;
+    for (int64_t l = 0; l < kLanes; ++l) top = tops[l] > top || tops[l] != tops[l] ? tops[l] : top;
+    if (top == minus_inf) {
+      inverse[i] = 0.0f;
+      std::fill(wi, wi + S, 0.0f);
+      continue;
+    }
+    vec total = {};
+    for (int64_t s = 0; s < S; s += kLanes) {
+      const vec e = exp_lanes(load_lanes(wi + s) - top);
+      std::memcpy(wi + s, &e, sizeof(e));
+      total += e;
+    }
+    inverse[i] = 1.0f / sum_lanes(total);
+  }
+  for (int64_t s0 = 0; s0 < S; s0 += kSlotBlock) {  // 3. the weighted values, summed into out block by block
+    const int64_t s1 = std::min(S, s0 + kSlotBlock);
+    for (int64_t i = 0; i < Q; ++i) {
+      const float* wi = w + i * ld;
+      vec even[C] = {}, odd[C] = {};  // two sums, so consecutive slots do not wait on each other
+      if (s0 > 0) for (int c = 0; c < C; ++c) even[c] = load_lanes(out[i] + c * kLanes);
+      int64_t s = s0;
+      for (; s + 1 < s1; s += 2) {
+        const vec w0 = vec{} + wi[s], w1 = vec{} + wi[s + 1];
+        const float* v0 = V + s * value_step;
+        const float* v1 = v0 + value_step;
+        for (int c = 0; c < C; ++c) {
+          even[c] += w0 * load_lanes(v0 + c * kLanes);
+          odd[c] += w1 * load_lanes(v1 + c * kLanes);
+        }
+      }
+      if (s < s1) {
+        const vec w0 = vec{} + wi[s];
+        for (int c = 0; c < C; ++c) even[c] += w0 * load_lanes(V + s * value_step + c * kLanes);
+      }
+      const vec last = vec{} + (s1 == S ? inverse[i] : 1.0f);  // 1 / the sum of weights, after the last block
+      for (int c = 0; c < C; ++c) {
+        const vec r = (even[c] + odd[c]) * last;
+        std::memcpy(out[i] + c * kLanes, &r, sizeof(r));
+      }
+    }
+  }
+}
+
+}  // namespace
+
+// softmax(q . k * scale + mask) v for each query row of a few-row block, head by head, as SDPA computes it.
+// SmolLM2's heads at 4 rows over 300 slots, 2 threads (2026-11-27, Xeon): SDPA's flash kernel for CPU 43-48 us
+// a call, this one 25-28 us (at 9 rows 71 against 54, at 1 row 33-37 against 11).
+// qkv: [B*N, width] with q's heads first, each D wide; keys, values: [B, KVH, S, D] with D contiguous; mask:
+// [B, 1, N, S] additive fp32. Query head h reads K/V head h / (heads / KVH). Returns
+// [B*N, heads*D], the layout the o projection reads. A row whose every slot is masked gets zeros.
+torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& keys, const torch::Tensor& values,
+                                 const torch::Tensor& mask_in, int64_t heads, double scale) {
+  TORCH_CHECK(few_rows_attention_fits(qkv, keys, values, mask_in, heads),
+              "few_rows_attention: qkv [B*N, width] contiguous, keys and values [B, KVH, S, D] float32 with D "
+              "contiguous and ", kLanes, " x 1, 2, 4 or 8, and mask [B, 1, N, S] float32 expected");
+  const int64_t B = keys.size(0), KVH = keys.size(1), S = keys.size(2), D = keys.size(3);
+  const int64_t N = qkv.size(0) / B, width = qkv.size(1), group = heads / KVH;
+  const torch::Tensor mask = mask_in.contiguous();
+  torch::Tensor out = torch::empty({B * N, heads * D}, qkv.options());
+  const float* qp = qkv.data_ptr<float>();
+  const float* kp = keys.data_ptr<float>();
+  const float* vp = values.data_ptr<float>();
+  const float* mp = mask.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t key_step = keys.stride(2), value_step = values.stride(2);
+  const float sc = static_cast<float>(scale);
+  auto attend = &attend_group<1>;
+  switch (D / kLanes) {
+    case 1: break;
+    case 2: attend = &attend_group<2>; break;
+    case 4: attend = &attend_group<4>; break;
+    case 8: attend = &attend_group<8>; break;
+    default: TORCH_CHECK(false, "few_rows_attention: heads of ", D, " are not taken (", kLanes, " x 1, 2, 4 or 8)");
+  }
+  // Work items: a K/V head of a batch row, with its queries (group heads x N rows) in `parts` shares, so that
+  // SmolLM2's 3 K/V heads make 6 items for 2 threads, each reading its K/V head once.
+  const int64_t queries = group * N, parts = std::min<int64_t>(queries, 2);
+  at::parallel_for(0, B * KVH * parts, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> w(((queries + parts - 1) / parts) * (S + kLanes)), inverse(queries);
+    std::vector<const float*> q_rows, mask_rows;
+    std::vector<float*> out_rows;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / (KVH * parts), g = item / parts % KVH, part = item % parts;
+      q_rows.clear();
+      mask_rows.clear();
+      out_rows.clear();
+      for (int64_t i = part; i < queries; i += parts) {  // query i: head g * group + i / N, row i % N
+        const int64_t h = g * group + i / N, n = i % N;
+        q_rows.push_back(qp + (b * N + n) * width + h * D);
+        mask_rows.push_back(mp + (b * N + n) * S);
+        out_rows.push_back(op + (b * N + n) * heads * D + h * D);
+      }
+      attend(q_rows.data(), out_rows.data(), mask_rows.data(), static_cast<int64_t>(q_rows.size()),
+             kp + b * keys.stride(0) + g * keys.stride(1), key_step, vp + b * values.stride(0) + g * values.stride(1),
+             value_step, S, sc, w.data(), inverse.data());
+    }
+  });
+  return out;
+}
+
+namespace {
+
 // x through weights side by side, as the lean forward's `_linear` runs a block: the streamed kernel, or
 // ATen's linear (one row: the GEMV at the memory floor).
 torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
@@ -394,10 +612,14 @@ std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch
   TORCH_CHECK(x_in.dim() == 3 && keys.dim() == 4 && gate_up.size() == 2,
               "attention_tail: x [B, N, D], keys [B, KVH, S, D] and the gate and up weights expected");
   const int64_t B = x_in.size(0), N = x_in.size(1), D = x_in.size(2), head_dim = keys.size(3);
-  const torch::Tensor q = qkv.view({B, N, -1, head_dim}).narrow(2, 0, heads).transpose(1, 2);
-  const torch::Tensor att = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale,
-                                                             keys.size(1) != heads)
-                                .transpose(1, 2).reshape({B * N, heads * head_dim});
+  torch::Tensor att;
+  if (few_rows_attention_fits(qkv, keys, values, mask, heads)) {
+    att = few_rows_attention(qkv, keys, values, mask, heads, scale);
+  } else {
+    const torch::Tensor q = qkv.view({B, N, -1, head_dim}).narrow(2, 0, heads).transpose(1, 2);
+    att = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale, keys.size(1) != heads)
+              .transpose(1, 2).reshape({B * N, heads * head_dim});
+  }
   torch::Tensor x = x_in.reshape({B * N, D}) + linear_rows(att, {o_weight}, o_bias, stream);
   const torch::Tensor gu = linear_rows(rms_norm(x, post_norm, post_eps), gate_up, gate_up_bias, stream);
   const int64_t I = gate_up[0].size(0);
@@ -418,6 +640,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("q"), pybind11::arg("scale"),
         pybind11::arg("rho"), pybind11::arg("bias"), pybind11::arg("rel_slack"), pybind11::arg("abs_slack"),
         pybind11::arg("max_candidates"));
+  m.def("few_rows_attention", &few_rows_attention,
+        "softmax(q k^T * scale + mask) v for a few query rows, q's heads first in qkv [B*N, width] -> [B*N, heads*D]",
+        pybind11::arg("qkv"), pybind11::arg("keys"), pybind11::arg("values"), pybind11::arg("mask"),
+        pybind11::arg("heads"), pybind11::arg("scale"));
   m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2, -1) + eps) over the rows of x [M, K], fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("eps"));
   m.def("rope_", &rope_, "rotary embedding in place on the first `heads` heads of qkv [M, width], fp32",
