@@ -418,7 +418,8 @@ bool few_rows_attention_fits(const torch::Tensor& qkv, const torch::Tensor& keys
                              const torch::Tensor& mask, int64_t heads) {
   if (qkv.dim() != 2 || keys.dim() != 4 || !mask.defined() || mask.dim() != 4) return false;
   const int64_t B = keys.size(0), KVH = keys.size(1), S = keys.size(2), D = keys.size(3);
-  return B > 0 && KVH > 0 && S > 0 && heads > 0 && heads % KVH == 0 && qkv.size(0) % B == 0 && heads * D <= qkv.size(1) &&
+  return B > 0 && KVH > 0 && S > 0 && heads > 0 && heads % KVH == 0 && qkv.size(0) % B == 0 &&
+         heads * D <= qkv.size(1) &&
          (D == kLanes || D == 2 * kLanes || D == 4 * kLanes || D == 8 * kLanes) && qkv.is_contiguous() &&
          qkv.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
          values.scalar_type() == torch::kFloat && values.sizes() == keys.sizes() && keys.stride(3) == 1 &&
