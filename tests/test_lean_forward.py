@@ -324,6 +324,13 @@ def test_lean_forward_with_heads_the_attention_kernel_takes(head_dim):
             kv = _after_prompt(target, prompt, torch.ones_like(prompt))
             outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=torch.tensor([[11, 12, 13, 14]])))
     torch.testing.assert_close(outs[1].logits, outs[0].logits, rtol=1e-5, atol=1e-5 * float(outs[0].logits.abs().max()))
+    # the K/V the lean forward wrote, as the cache hands them to attention_tail, are inputs the kernel takes
+    layer = kv.cache.layers[0]
+    slots = layer.keys.shape[2]
+    kernel = cpu_linear.streamed_kernel()
+    out = kernel.few_rows_attention(torch.randn(4, 4 * head_dim), layer.keys, layer.values,
+                                    torch.zeros(1, 1, 4, slots), 2, head_dim ** -0.5)
+    assert out.shape == (4, 2 * head_dim)
 
 
 # ------------------------------------------------------------------------- the EAGLE-3 drafter's forward
