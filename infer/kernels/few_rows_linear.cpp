@@ -523,17 +523,11 @@ void attend_group(const float* const* q, float* const* out, const float* const* 
 
 }  // namespace
 
-// softmax(q . k * scale + mask) v for each query row of a few-row block, head by head, as SDPA computes it.
-// SmolLM2's heads at 4 rows over 300 slots, 2 threads (2026-11-27, Xeon): SDPA's flash kernel for CPU 43-48 us
-// a call, this one 25-28 us (at 9 rows 71 against 54, at 1 row 33-37 against 11).
-// qkv: [B*N, width] with q's heads first, each D wide; keys, values: [B, KVH, S, D] with D contiguous; mask:
-// [B, 1, N, S] additive fp32. Query head h reads K/V head h / (heads / KVH). Returns
-// [B*N, heads*D], the layout the o projection reads. A row whose every slot is masked gets zeros.
-torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& keys, const torch::Tensor& values,
-                                 const torch::Tensor& mask_in, int64_t heads, double scale) {
-  TORCH_CHECK(few_rows_attention_fits(qkv, keys, values, mask_in, heads),
-              "few_rows_attention: qkv [B*N, width] contiguous, keys and values [B, KVH, S, D] float32 with D "
-              "contiguous and ", kLanes, " x 1, 2, 4 or 8, and mask [B, 1, N, S] float32 expected");
+// The work of `few_rows_attention` (below) on inputs `few_rows_attention_fits` has taken: `attention_tail`
+// checks them once and calls this.
+torch::Tensor few_rows_attention_fitting(const torch::Tensor& qkv, const torch::Tensor& keys,
+                                         const torch::Tensor& values, const torch::Tensor& mask_in, int64_t heads,
+                                         double scale) {
   const int64_t B = keys.size(0), KVH = keys.size(1), S = keys.size(2), D = keys.size(3);
   const int64_t N = qkv.size(0) / B, width = qkv.size(1), group = heads / KVH;
   const torch::Tensor mask = mask_in.contiguous();
@@ -579,6 +573,20 @@ torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& 
   return out;
 }
 
+// softmax(q . k * scale + mask) v for each query row of a few-row block, head by head, as SDPA computes it.
+// SmolLM2's heads at 4 rows over 300 slots, 2 threads (2026-11-27, Xeon): SDPA's flash kernel for CPU 43-48 us
+// a call, this one 25-28 us (at 9 rows 71 against 54, at 1 row 33-37 against 11).
+// qkv: [B*N, width] with q's heads first, each D wide; keys, values: [B, KVH, S, D] with D contiguous; mask:
+// [B, 1, N, S] additive fp32. Query head h reads K/V head h / (heads / KVH). Returns
+// [B*N, heads*D], the layout the o projection reads. A row whose every slot is masked gets zeros.
+torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& keys, const torch::Tensor& values,
+                                 const torch::Tensor& mask, int64_t heads, double scale) {
+  TORCH_CHECK(few_rows_attention_fits(qkv, keys, values, mask, heads),
+              "few_rows_attention: qkv [B*N, width] contiguous, keys and values [B, KVH, S, D] float32 with D "
+              "contiguous and ", kLanes, " x 1, 2, 4 or 8, and mask [B, 1, N, S] float32 expected");
+  return few_rows_attention_fitting(qkv, keys, values, mask, heads, scale);
+}
+
 namespace {
 
 // x through weights side by side, as the lean forward's `_linear` runs a block: the streamed kernel, or
@@ -615,7 +623,7 @@ std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch
   const int64_t B = x_in.size(0), N = x_in.size(1), D = x_in.size(2), head_dim = keys.size(3);
   torch::Tensor att;
   if (few_rows_attention_fits(qkv, keys, values, mask, heads)) {
-    att = few_rows_attention(qkv, keys, values, mask, heads, scale);
+    att = few_rows_attention_fitting(qkv, keys, values, mask, heads, scale);
   } else {
     const torch::Tensor q = qkv.view({B, N, -1, head_dim}).narrow(2, 0, heads).transpose(1, 2);
     att = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale, keys.size(1) != heads)
