@@ -427,10 +427,6 @@ bool few_rows_attention_fits(const torch::Tensor& qkv, const torch::Tensor& keys
          mask.size(2) == qkv.size(0) / B && mask.size(3) == S;
 }
 
-}  // namespace
-
-namespace {
-
 constexpr int64_t kSlotBlock = 32;  // K (or V) rows that stay in L1 while every query of a group reads them
 
 // The queries of one K/V head (its query heads' rows of a block) against it: out_i = softmax(q_i . K * scale +
