@@ -47,33 +47,48 @@ class RoomyLayer(DynamicLayer):
     """A `DynamicLayer` whose `keys`/`values` are leading slices of larger buffers: `update` writes the new
     block after them in place and grows a buffer (by half, at least `GROW` slots) only when it is full.
     Anything that leaves `keys`/`values` a leading slice of the buffer (`crop`, `KVState.commit`) keeps the
-    buffer; anything else (a row selection) is adopted into a new buffer on the next update."""
+    buffer; anything else (a row selection) is adopted into a new buffer on the next update.
+
+    `reserve` hands the buffers out to a caller that writes the block itself (the lean verify forward's
+    kernel, `infer.lean_forward`) and then sets `keys`/`values` to their leading slices."""
 
     GROW = 256
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self._room = {}
-        self.keys = self._append("keys", self.keys, key_states)
-        self.values = self._append("values", self.values, value_states)
+        b, h, n, d = key_states.shape
+        key_buffer, value_buffer, size = self.reserve(key_states, b, h, n, d)
+        key_buffer[:, :, size:size + n] = key_states
+        value_buffer[:, :, size:size + n] = value_states
+        self.keys, self.values = key_buffer[:, :, :size + n], value_buffer[:, :, :size + n]
         return self.keys, self.values
 
-    def _append(self, name: str, held: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        # held: [B, H, S, D] (or empty), new: [B, H, N, D] -> a view [B, H, S + N, D] of the buffer
+    def reserve(self, like: torch.Tensor, batch: int, heads: int, n: int, head_dim: int):
+        """Key and value buffers [batch, heads, room, head_dim] (`like`'s dtype and device) whose leading slots
+        are the ones in use, with room for `n` more after them, and how many are in use (`size`). The caller
+        writes the block at slots [size, size + n) and sets `keys`/`values` to the buffers' first size + n."""
+        if not self.is_initialized:
+            self.lazy_initialization(like, like)
+            self._room = {}
+        size = self.keys.shape[2] if self.keys.dim() == 4 else 0
+        shape = (batch, heads, size + n, head_dim)
+        return self._buffer("keys", self.keys, shape), self._buffer("values", self.values, shape), size
+
+    def _buffer(self, name: str, held: torch.Tensor, shape: tuple[int, int, int, int]) -> torch.Tensor:
+        """`name`'s buffer, holding `held` [B, H, S, D] (or an empty tensor) as its leading slots, with room for
+        `shape`[2] slots in all: the one kept, or a new one (by half again, at least GROW slots more) when it is
+        full or `held` is no longer its leading slice."""
+        batch, heads, end, head_dim = shape
         size = held.shape[2] if held.dim() == 4 else 0
-        end = size + new.shape[2]
         buf = self._room.get(name)
         prefix = (buf is not None and held.dim() == 4 and held.data_ptr() == buf.data_ptr()
-                  and held.stride() == buf.stride() and held.shape[:2] == buf.shape[:2] and buf.shape[3] == new.shape[3])
+                  and held.stride() == buf.stride() and held.shape[:2] == buf.shape[:2] and buf.shape[3] == head_dim)
         if not prefix or end > buf.shape[2]:
             room = max(end + self.GROW, end * 3 // 2)
-            grown = new.new_empty(new.shape[0], new.shape[1], room, new.shape[3])
+            buf = held.new_empty(batch, heads, room, head_dim)
             if size:
-                grown[:, :, :size] = held
-            self._room[name] = buf = grown
-        buf[:, :, size:end] = new
-        return buf[:, :, :end]
+                buf[:, :, :size] = held
+            self._room[name] = buf
+        return buf
 
 
 class RoomyCache(DynamicCache):
@@ -81,6 +96,12 @@ class RoomyCache(DynamicCache):
 
     def __init__(self):
         Cache.__init__(self, layer_class_to_replicate=RoomyLayer)
+
+    def layer(self, index: int) -> RoomyLayer:
+        """Layer `index`, created (with any before it) if the model has not written it yet, as `update` does."""
+        while len(self.layers) <= index:
+            self.layers.append(RoomyLayer())
+        return self.layers[index]
 
 
 class KVState:

@@ -45,6 +45,7 @@ from torch import nn
 
 from . import cpu_linear
 from .argmax_head import ArgmaxHead
+from .kv import RoomyCache, RoomyLayer
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
@@ -200,6 +201,10 @@ class LeanLayers:
         b, n, _ = x.shape
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
+        if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
+            stream = self._streamed(b * n, layer.qkv, layer.o, layer.gate_up, layer.down)
+            if stream or b * n == 1:
+                return self._whole_layer(x, y, layer, cache.layer(index), attention_mask, rotary, next_norm, stream)
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
@@ -221,6 +226,18 @@ class LeanLayers:
         gate, up = self._linear(self._norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         x = x + self._linear(F.silu(gate) * up, layer.down)
         return x, self._norm(x, next_norm)
+
+    def _whole_layer(self, x, y, layer: Layer, kv: RoomyLayer, attention_mask, rotary, next_norm, stream: bool):
+        """`_layer` in one kernel call (`decoder_layer`): q/k/v, rotary, the K/V write straight into the cache
+        layer's buffers, and `_tail`. What it saves is Python: the cache update alone is a dozen small ops,
+        about 40 us a layer inside a forward, whose weights have pushed the interpreter's state out of cache."""
+        b, n, _ = x.shape
+        key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
+        x, y, kv.keys, kv.values = self.kernel.decoder_layer(
+            x, y, layer.qkv.weights, layer.qkv.biases, *rotary, key_buffer, value_buffer, size, attention_mask,
+            layer.heads, layer.scaling, layer.o.weights[0], layer.o.biases, *layer.post_norm, layer.gate_up.weights,
+            layer.gate_up.biases, layer.down.weights[0], layer.down.biases, *next_norm, stream)
+        return x, y
 
     def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, next_norm, stream: bool):
         """The rest of `_layer` after the K/V write (attention, o, MLP, both residual adds, `next_norm`) in

@@ -35,9 +35,13 @@ def _after_prompt(model, prompt, mask):
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
 @pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
-def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
+def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows, monkeypatch):
+    whole_layers = []  # with the kernel, each layer is one call that writes K/V into the cache's buffers
     if stream_rows:
         _kernel()
+        whole_layer = lean_forward.LeanLayers._whole_layer
+        monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
+                            lambda self, *args: whole_layers.append(1) or whole_layer(self, *args))
     target = tiny_model("llama", attention_bias=True, mlp_bias=True) if arch == "llama-biases" else tiny_model(arch)
     if arch == "llama-biases":  # every linear has a bias, random (transformers initializes them to 0)
         biases = [m.bias for m in target.model.layers.modules() if isinstance(m, nn.Linear)]
@@ -71,6 +75,7 @@ def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows):
     for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
         close(layer_got.keys, layer_expected.keys)
         close(layer_got.values, layer_expected.values)
+    assert len(whole_layers) == (target.config.num_hidden_layers if stream_rows else 0)
 
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
@@ -246,6 +251,67 @@ def test_rope_in_place_matches_the_models(rows):
     assert torch.equal(got[:, h + kvh:], v)  # values are not rotated
     with pytest.raises(RuntimeError, match="do not fit"):
         kernel.rope_(qkv, cos[0], sin[0], h + 2 * kvh + 1)
+
+
+def test_silu_mul_matches_torch_at_the_extremes():
+    kernel = _kernel()
+    intermediate = 37  # not a whole number of vector lanes: the scalar tail runs too
+    torch.manual_seed(0)
+    gate_up = torch.randn(3, 2 * intermediate) * 4
+    gate_up[0, :6] = torch.tensor([-200.0, -88.5, -30.0, 30.0, 88.5, 200.0])  # e^-|g| under float's range
+    gate_up[1, 5] = float("nan")
+    gate, up = gate_up.chunk(2, -1)
+    got = kernel.silu_mul(gate_up, intermediate)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-7, equal_nan=True)
+    assert got[1, 5].isnan() and not got[1, 6:].isnan().any()
+    with pytest.raises(RuntimeError, match="silu_mul: gate_up"):
+        kernel.silu_mul(gate_up, intermediate + 1)
+
+
+def test_write_kv_places_the_block_after_the_slots_in_use():
+    kernel = _kernel()
+    batch, heads, kv_heads, head_dim, rows, size, capacity = 2, 4, 2, 8, 3, 5, 12
+    torch.manual_seed(0)
+    qkv = torch.randn(batch * rows, (heads + 2 * kv_heads) * head_dim)
+    keys, values = torch.randn(batch, kv_heads, capacity, head_dim), torch.randn(batch, kv_heads, capacity, head_dim)
+    before = keys.clone(), values.clone()
+    got = kernel.write_kv(qkv, keys, values, size, heads)
+    block = qkv.view(batch, rows, -1, head_dim).transpose(1, 2)  # [B, heads + 2 KVH, N, D]
+    for buffer, old, view, written in zip((keys, values), before, got, (block[:, heads:heads + kv_heads],
+                                                                         block[:, heads + kv_heads:]), strict=True):
+        assert view.data_ptr() == buffer.data_ptr() and view.shape == (batch, kv_heads, size + rows, head_dim)
+        assert torch.equal(buffer[:, :, size:size + rows], written)
+        assert torch.equal(buffer[:, :, :size], old[:, :, :size])  # the slots in use and the room after: untouched
+        assert torch.equal(buffer[:, :, size + rows:], old[:, :, size + rows:])
+    with pytest.raises(RuntimeError, match="do not fit buffers of 12"):
+        kernel.write_kv(qkv, keys, values, capacity - rows + 1, heads)
+    with pytest.raises(RuntimeError, match="5 rows of qkv for a batch of 2"):
+        kernel.write_kv(qkv[:5], keys, values, 0, heads)
+    with pytest.raises(RuntimeError, match="do not fit in qkv rows"):
+        kernel.write_kv(qkv, keys, values, 0, heads + 1)
+    with pytest.raises(RuntimeError, match="of one shape"):
+        kernel.write_kv(qkv, keys, values[:, :, :-1], 0, heads)
+
+
+def test_a_roomy_cache_layer_keeps_its_buffer_until_it_is_full_or_replaced():
+    from infer.kv import RoomyLayer
+
+    layer = RoomyLayer()
+    torch.manual_seed(0)
+    first = torch.randn(2, 3, 4, 8)
+    keys, _ = layer.update(first, first + 1)
+    assert torch.equal(keys, first)
+    key_buffer, value_buffer, size = layer.reserve(first, 2, 3, 5, 8)  # room for 5 more: the same buffer
+    assert size == 4 and key_buffer.data_ptr() == keys.data_ptr() and key_buffer.shape[2] >= 9
+    assert torch.equal(value_buffer[:, :, :4], first + 1)
+    layer.crop(-1)  # a leading slice still: kept
+    assert layer.reserve(first, 2, 3, 1, 8)[0].data_ptr() == key_buffer.data_ptr()
+    layer.batch_select_indices(torch.tensor([1]))  # a new tensor: adopted into a new buffer, rows kept
+    selected, _, size = layer.reserve(first, 1, 3, 1, 8)
+    assert size == 3 and selected.data_ptr() != key_buffer.data_ptr() and torch.equal(selected[:, :, :3], first[1:, :, :3])
+    room = selected.shape[2]
+    grown, _, size = layer.reserve(first, 1, 3, room, 8)  # full: grown, what it held carried over
+    assert grown.shape[2] >= room + 3 and torch.equal(grown[:, :, :3], first[1:, :, :3])
 
 
 def _attention_case(heads: int, kv_heads: int, head_dim: int, rows: int, slots: int, seed: int = 0):
