@@ -411,9 +411,8 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         cached = _read_cache("verify", fields)
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
-        model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache()) if lean else target
-        if lean and cpu_linear.streamed_kernel() is not None:  # greedy, as calibration measures acceptance
-            model.argmax_head = argmax_head.ArgmaxHead(model.lm_head.weights[0])
+        # greedy, as calibration measures acceptance: the verify reads each node's argmax only
+        model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache(), argmax_only=True) if lean else target
         costs = block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})

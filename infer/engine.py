@@ -28,7 +28,6 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu_linear, gqa_attention, lean_forward
-from .argmax_head import ArgmaxHead
 from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .embedded import target_tokenizer
@@ -369,11 +368,6 @@ class SelfSpecModel:
         try:
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            # made per call: the user may have added a hook, adapted a layer (LoRA, quantization) or swapped a
-            # weight since the last one
-            if self._lean_verify and not lean_forward.user_hooks(self.target):
-                with contextlib.suppress(lean_forward.Unsupported):  # a layer adapted since construction
-                    self._lean = lean_forward.LeanForward(self.target, self._stream_rows, self._packed)
             with _generation_mode(self.target), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
@@ -389,8 +383,7 @@ class SelfSpecModel:
                                   pad_token_id, generation_config)
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
         kv = self._new_cache(input_ids, settings.max_new_tokens)
-        if self._lean is not None:
-            self._lean.argmax_head = self._argmax_head(settings)
+        self._lean = self._lean_forward(settings)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
                  "target_seconds": 0.0, "verify_forward": "lean" if self._lean is not None else "transformers",
                  "int8_argmax": self._lean is not None and self._lean.argmax_head is not None}
@@ -512,13 +505,18 @@ class SelfSpecModel:
         model = self._lean if self._lean is not None else self.target
         return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
 
-    def _argmax_head(self, settings: _Settings) -> ArgmaxHead | None:
-        """The int8 argmax head for this call's verify forwards where only each node's argmax is read."""
+    def _lean_forward(self, settings: _Settings) -> lean_forward.LeanForward | None:
+        """This call's lean forward of the target, or None where the model's own runs. Made per call: the user
+        may have added a hook, adapted a layer (LoRA, quantization) or swapped a weight since the last one."""
+        if not self._lean_verify or lean_forward.user_hooks(self.target):
+            return None
+        # where only each node's argmax is read, it comes from the int8 copy of the LM head
         reads_more = (settings.sampling.do_sample or settings.typical or settings.suppress or settings.begin_suppress
                       or (settings.min_new_tokens and settings.eos))
-        if not self.int8_argmax or reads_more or cpu_linear.streamed_kernel() is None:
-            return None
-        return self._packed.derived(self._lean.lm_head.weights[0], "argmax", ArgmaxHead)
+        with contextlib.suppress(lean_forward.Unsupported):  # a layer adapted since construction
+            return lean_forward.LeanForward(self.target, self._stream_rows, self._packed,
+                                            argmax_only=self.int8_argmax and not reads_more)
+        return None
 
     def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:
         """The target's KV cache for one generate call: growing, or static with room for the whole request."""

@@ -282,15 +282,19 @@ class LeanForward(LeanLayers):
     The layers' tensors are read from the modules once, when it is made (a per-layer list of references,
     not copies): make a new one when the model may have changed, as the engine does at every call."""
 
-    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache):
+    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache, argmax_only: bool = False):
+        """`argmax_only`: the caller reads nothing but each node's argmax (the engine's greedy verify), so the
+        logits come from `infer.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
+        where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
+        runs."""
         super().__init__(self.read_or_refuse(_read, target, "target"), stream_rows, packed)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
         self.lm_head = Linears.of(target.get_output_embeddings())
-        # Set for a call that reads only each node's argmax (the engine's greedy verify): the logits come from
-        # `infer.argmax_head.ArgmaxHead`, exact where a token could be the argmax and -inf elsewhere.
         self.argmax_head: ArgmaxHead | None = None
+        if argmax_only and cpu_linear.streamed_kernel() is not None:
+            self.argmax_head = packed.derived(self.lm_head.weights[0], "argmax", ArgmaxHead)
 
     @property
     def dtype(self) -> torch.dtype:
