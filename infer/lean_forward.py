@@ -18,10 +18,13 @@ it is made, so the engine makes one per generate call):
 - attention on the grouped K/V heads as they are, under the tree mask the engine built: torch's SDPA, or for
   the few rows of a verify block the kernel's own loop (`few_rows_attention`: SmolLM2 at 4 rows over 300
   slots, 25-28 us a layer against SDPA's 43-48);
-- K/V written through the engine's cache (`cache.update`), exactly as the model's attention writes them;
+- K/V written into the engine's cache, as the model's attention writes them;
 - after that write, the rest of the layer (attention, o, the MLP, both residual adds and the next layer's
   input norm) is one call into the kernel (`attention_tail`), which runs ATen's ops there without a Python
   dispatch for each: 0.6-1.4 ms less a forward over 1-8 rows than the same ops from Python (docs/benchmarks.md);
+- where the cache is the engine's growing one (`infer.kv.RoomyCache`), the whole layer is one kernel call
+  (`decoder_layer`: q/k/v, rotary, K and V copied straight into the cache layer's buffers, then the tail), in
+  place of transformers' cache update, a dozen small ops from Python a layer;
 - where the caller reads only each node's argmax (the engine's greedy verify), the LM head's logits come from
   `infer.argmax_head.ArgmaxHead` (`argmax_head`): exact for the tokens that could be the argmax, -inf for the
   rest, from a quarter of the head's bytes.
