@@ -232,8 +232,8 @@ class LeanLayers:
 
     def _whole_layer(self, x, y, layer: Layer, kv: RoomyLayer, attention_mask, rotary, next_norm, stream: bool):
         """`_layer` in one kernel call (`decoder_layer`): q/k/v, rotary, the K/V write straight into the cache
-        layer's buffers, and `_tail`. What it saves is Python: the cache update alone is a dozen small ops,
-        about 40 us a layer inside a forward, whose weights have pushed the interpreter's state out of cache."""
+        layer's buffers, and `_tail`. What it saves is Python: the cache update alone is a dozen small ops, 14 us
+        in a loop by itself and about 40 us a layer inside a verify forward (SmolLM2, 2-core Xeon)."""
         b, n, _ = x.shape
         key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
         x, y, kv.keys, kv.values = self.kernel.decoder_layer(

@@ -207,3 +207,25 @@ def test_int8_rows_match_their_dequantized_weights():
                                    rtol=1e-5, atol=1e-5)
     with pytest.raises(RuntimeError, match="int8 contiguous"):
         kernel.int8_rows_linear(torch.randn(1, 50), q.float(), scale)
+
+
+def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kernel():
+    kernel = _kernel()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 64), torch.randn(40)
+    layer = cpu_linear.Int8Linear(weight, bias)
+    held = layer.q.double() * layer.scale.double()[:, None]  # the weight as the int8 rows hold it
+
+    def exact(x):
+        return x.double() @ held.T + bias.double()
+
+    few = torch.randn(2, 3, 64)  # 6 rows: the kernel, fp32 products
+    assert torch.equal(layer(few), kernel.int8_rows_linear(few.reshape(6, 64), layer.q, layer.scale).view(2, 3, 40)
+                       + bias)
+    torch.testing.assert_close(layer(few).double(), exact(few), rtol=1e-5, atol=1e-5)
+    many = torch.randn(layer.KERNEL_ROWS + 1, 64)  # torch's kernel, bf16 activations: close, not as close
+    got = layer(many)
+    assert got.dtype == torch.float32 and not torch.allclose(got.double(), exact(many), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.double(), exact(many), rtol=0.05, atol=0.1)
+    half = layer(few.to(torch.bfloat16))  # bf16 input: torch's kernel, bf16 out
+    assert half.dtype == torch.bfloat16 and half.shape == (2, 3, 40)

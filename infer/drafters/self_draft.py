@@ -3,7 +3,8 @@
 - `bf16`: a bfloat16 copy of the whole target. Decoding reads every weight once per token, so half the
   bytes is up to half the time where the matrix-vector products dominate.
 - `int8`: linear weights int8 per output channel, weight-only (activations are not quantized: quantizing
-  them too drops agreement, see docs/benchmarks.md). On CPU: torch's int8 kernel with bf16 activations,
+  them too drops agreement, see docs/benchmarks.md). On CPU: `infer.cpu_linear.Int8Linear` (fp32 blocks of
+  up to 16 rows on the streamed kernel's int8 rows, others on torch's int8 kernel with bf16 activations),
   the target's norms and embedding shared, not copied (torchao's CPU int8 path is slower than fp32 on
   AVX2); elsewhere a copy quantized by torchao.
 - `int4`: the target's own norms and embedding (shared, not copied) with every decoder-layer linear held
@@ -47,7 +48,7 @@ def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
 def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
-    if _device(target).type == "cpu":  # torch's own int8 kernel: torchao's CPU path is slower than fp32 here
+    if _device(target).type == "cpu":  # Int8Linear: torchao's CPU path is slower than fp32 here
         return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
                                  adaptive=True)
     try:

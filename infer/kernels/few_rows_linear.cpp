@@ -19,8 +19,9 @@
 // layer after its K/V write, from attention to the next layer's input norm, in one call, its attention by
 // `few_rows_attention` where that takes the shapes; `write_kv` puts a block's K and V into the cache's
 // buffers, and `decoder_layer` is a whole layer in one call (q/k/v, rotary, `write_kv`, `attention_tail`).
-// They serve the lean verify forward (infer/lean_forward.py). `int8_rows_linear` streams a weight held as int8 rows, and
-// `argmax_logits` uses it to score only the tokens that could be a row's argmax (infer/argmax_head.py).
+// They serve the lean verify forward (infer/lean_forward.py). `int8_rows_linear` streams a weight held as
+// int8 rows, and `argmax_logits` uses it to score only the tokens that could be a row's argmax
+// (infer/argmax_head.py).
 
 #include <torch/extension.h>
 
