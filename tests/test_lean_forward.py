@@ -307,11 +307,14 @@ def test_a_roomy_cache_layer_keeps_its_buffer_until_it_is_full_or_replaced():
     layer.crop(-1)  # a leading slice still: kept
     assert layer.reserve(first, 2, 3, 1, 8)[0].data_ptr() == key_buffer.data_ptr()
     layer.batch_select_indices(torch.tensor([1]))  # a new tensor: adopted into a new buffer, rows kept
-    selected, _, size = layer.reserve(first, 1, 3, 1, 8)
+    selected, selected_values, size = layer.reserve(first, 1, 3, 1, 8)
     assert size == 3 and selected.data_ptr() != key_buffer.data_ptr() and torch.equal(selected[:, :, :3], first[1:, :, :3])
+    layer.keys, layer.values = selected[:, :, :3], selected_values[:, :, :3]  # as a caller that wrote nothing sets them
+    assert layer.reserve(first, 1, 3, 1, 8)[0].data_ptr() == selected.data_ptr()
     room = selected.shape[2]
-    grown, _, size = layer.reserve(first, 1, 3, room, 8)  # full: grown, what it held carried over
-    assert grown.shape[2] >= room + 3 and torch.equal(grown[:, :, :3], first[1:, :, :3])
+    grown, _, size = layer.reserve(first, 1, 3, room, 8)  # more than it has room for: grown, what it held carried over
+    assert size == 3 and grown.data_ptr() != selected.data_ptr() and grown.shape[2] >= room + 3
+    assert torch.equal(grown[:, :, :3], first[1:, :, :3])
 
 
 def _attention_case(heads: int, kv_heads: int, head_dim: int, rows: int, slots: int, seed: int = 0):
