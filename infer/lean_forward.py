@@ -31,6 +31,11 @@ it is made, so the engine makes one per generate call):
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
 
+The same forward runs the `int8` self-drafter's copy of the target (`LeanForward(draft, 0, None, int8=True)`,
+its linears `cpu_linear.Int8Linear`): the kernel reads their int8 rows at every block size, as nothing else
+here runs them. On SmolLM2 (2-core Xeon) a one-token draft forward over 300 cached slots costs 9.5 ms this
+way against 24 ms through transformers' modules.
+
 Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, a SiLU gated
 MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
 carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
@@ -62,16 +67,29 @@ class LeanOutput:
 
 @dataclass(frozen=True)
 class Linears:
-    """Weights (and biases) that share an input and write side by side: q/k/v, gate/up, or one alone."""
+    """Weights (and biases) that share an input and write side by side: q/k/v, gate/up, or one alone. Each weight
+    is an `nn.Linear`'s fp32 one, or the int8 rows of a `cpu_linear.Int8Linear` with their scales."""
 
     weights: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
+    scales: tuple[torch.Tensor | None, ...]  # one fp32 scale a row for an int8 weight, None for an fp32 one
     streamable: bool  # every weight contiguous: the streamed kernel can read it as it is
 
     @classmethod
-    def of(cls, *linears: nn.Linear) -> Linears:
-        weights = tuple(m.weight for m in linears)
-        return cls(weights, tuple(m.bias for m in linears), all(w.is_contiguous() for w in weights))
+    def of(cls, *linears: nn.Module) -> Linears:
+        int8 = [type(m) is cpu_linear.Int8Linear for m in linears]
+        weights = tuple(m.q if q else m.weight for m, q in zip(linears, int8, strict=True))
+        scales = tuple(m.scale if q else None for m, q in zip(linears, int8, strict=True))
+        return cls(weights, tuple(m.bias for m in linears), scales, all(w.is_contiguous() for w in weights))
+
+    @property
+    def int8(self) -> bool:
+        """Some weight is int8: only the streamed kernel runs it."""
+        return any(s is not None for s in self.scales)
+
+    def native(self, kernel):
+        """These weights as the kernel's `Linears`, which `decoder_layer` and `attention_tail` take."""
+        return kernel.Linears(list(self.weights), list(self.biases), list(self.scales))
 
 
 @dataclass(frozen=True)
@@ -102,15 +120,21 @@ def plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and cpu_linear._plain(module.weight)
 
 
-def read_layer(layer: nn.Module) -> Layer:
-    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `Unsupported`."""
+def readable_linear(module: nn.Module, int8: bool) -> bool:
+    """An fp32 `nn.Linear`, or where `int8`, a `cpu_linear.Int8Linear` (and nothing else)."""
+    return type(module) is cpu_linear.Int8Linear if int8 else plain_linear(module)
+
+
+def read_layer(layer: nn.Module, int8: bool = False) -> Layer:
+    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `Unsupported`. `int8`:
+    its linears are all `cpu_linear.Int8Linear` (the `int8` self-drafter's), else all fp32 `nn.Linear`."""
     if type(layer).__name__ not in LAYERS:
         raise Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    if not all(plain_linear(m) for m in (q, k, v, o, gate, up, down)):
-        raise Unsupported("adapted or quantized linear layers")
+    if not all(readable_linear(m, int8) for m in (q, k, v, o, gate, up, down)):
+        raise Unsupported("linear layers other than int8 rows" if int8 else "adapted or quantized linear layers")
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         raise Unsupported("q/k norms")
     head_dim = attn.head_dim
@@ -125,9 +149,12 @@ def check_cpu_fp32(model: nn.Module) -> None:
         raise Unsupported("not an fp32 model on CPU")
 
 
-def _read(target) -> list[Layer]:
-    """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it."""
+def _read(target, int8: bool = False) -> list[Layer]:
+    """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it. `int8`: its
+    linears, the LM head's too, are `cpu_linear.Int8Linear`, which only the streamed kernel runs."""
     check_cpu_fp32(target)
+    if int8 and cpu_linear.streamed_kernel() is None:
+        raise Unsupported("int8 linear layers without the streamed kernel, which could not be built here")
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
@@ -139,9 +166,11 @@ def _read(target) -> list[Layer]:
         raise Unsupported(f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"}:
         raise Unsupported("layers of several attention types")
-    if type(target.get_output_embeddings()) is not nn.Linear or getattr(inner, "embed_scale", None) is not None:
+    if not readable_linear(target.get_output_embeddings(), int8):
+        raise Unsupported("an LM head other than int8 rows" if int8 else "a non-standard embedding or lm_head")
+    if getattr(inner, "embed_scale", None) is not None:
         raise Unsupported("a non-standard embedding or lm_head")
-    return [read_layer(layer) for layer in layers]
+    return [read_layer(layer, int8) for layer in layers]
 
 
 def reason_not_to_run(read, model) -> str | None:
@@ -175,11 +204,15 @@ def user_hooks(target) -> bool:
 class LeanLayers:
     """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
-    `cpu_linear.PackCache` for larger blocks (None: `F.linear`)."""
+    `cpu_linear.PackCache` for larger blocks (None: `F.linear`). Int8 weights run on the kernel at any size."""
 
     def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None):
         self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
-        self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 else None
+        int8 = any(m.int8 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or int8 else None
+        # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
+        self.native = [] if self.kernel is None else [
+            tuple(m.native(self.kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in layers]
 
     @classmethod
     def read_or_refuse(cls, read, model, what: str) -> list:
@@ -207,7 +240,8 @@ class LeanLayers:
         if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
             stream = self._streamed(b * n, layer.qkv, layer.o, layer.gate_up, layer.down)
             if stream or b * n == 1:
-                return self._whole_layer(x, y, layer, cache.layer(index), attention_mask, rotary, next_norm, stream)
+                return self._whole_layer(x, y, layer, index, cache.layer(index), attention_mask, rotary,
+                                         next_norm, stream)
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
@@ -215,7 +249,7 @@ class LeanLayers:
             keys, values = cache.update(heads[:, h:h + kvh], heads[:, h + kvh:], index)
             stream = self._streamed(b * n, layer.o, layer.gate_up, layer.down)
             if attention_mask is not None and (stream or b * n == 1):
-                return self._tail(x, qkv, keys, values, attention_mask, layer, next_norm, stream)
+                return self._tail(x, qkv, keys, values, attention_mask, layer, index, next_norm, stream)
             q = heads[:, :h]
         else:
             heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
@@ -230,29 +264,33 @@ class LeanLayers:
         x = x + self._linear(F.silu(gate) * up, layer.down)
         return x, self._norm(x, next_norm)
 
-    def _whole_layer(self, x, y, layer: Layer, kv: RoomyLayer, attention_mask, rotary, next_norm, stream: bool):
+    def _whole_layer(self, x, y, layer: Layer, index: int, kv: RoomyLayer, attention_mask, rotary, next_norm,
+                     stream: bool):
         """`_layer` in one kernel call (`decoder_layer`): q/k/v, rotary, the K/V write straight into the cache
         layer's buffers, and `_tail`. What it saves is Python: the cache update alone is a dozen small ops, 14 us
         in a loop by itself and about 40 us a layer inside a verify forward (SmolLM2, 2-core Xeon)."""
         b, n, _ = x.shape
         key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
+        qkv, o, gate_up, down = self.native[index]
         x, y, kv.keys, kv.values = self.kernel.decoder_layer(
-            x, y, layer.qkv.weights, layer.qkv.biases, *rotary, key_buffer, value_buffer, size, attention_mask,
-            layer.heads, layer.scaling, layer.o.weights[0], layer.o.biases, *layer.post_norm, layer.gate_up.weights,
-            layer.gate_up.biases, layer.down.weights[0], layer.down.biases, *next_norm, stream)
+            x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
+            *layer.post_norm, gate_up, down, *next_norm, stream)
         return x, y
 
-    def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, next_norm, stream: bool):
+    def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, index: int, next_norm, stream: bool):
         """The rest of `_layer` after the K/V write (attention, o, MLP, both residual adds, `next_norm`) in
         one kernel call: ATen's own ops there, without a Python dispatch for each of them."""
+        _, o, gate_up, down = self.native[index]
         return self.kernel.attention_tail(x, qkv.view(x.shape[0] * x.shape[1], -1), keys, values, attention_mask,
-                                          layer.heads, layer.scaling, layer.o.weights[0], layer.o.biases,
-                                          *layer.post_norm, layer.gate_up.weights, layer.gate_up.biases,
-                                          layer.down.weights[0], layer.down.biases, *next_norm, stream)
+                                          layer.heads, layer.scaling, o, *layer.post_norm, gate_up, down, *next_norm,
+                                          stream)
 
     def _streamed(self, rows: int, *linears: Linears) -> bool:
-        """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears`."""
-        return self.kernel is not None and 1 < rows <= self.stream_rows and all(m.streamable for m in linears)
+        """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears` (int8 ones
+        always do: nothing else here runs them)."""
+        if self.kernel is None:
+            return False
+        return all(m.int8 for m in linears) or (1 < rows <= self.stream_rows and all(m.streamable for m in linears))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
@@ -265,7 +303,7 @@ class LeanLayers:
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
         if self._streamed(rows, linears):
-            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases)
+            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases, linears.scales)
         else:
             if rows > 1 and self.packed is not None and cpu_linear.available():
                 parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(w), bias, "none", [], "")
@@ -285,12 +323,17 @@ class LeanForward(LeanLayers):
     The layers' tensors are read from the modules once, when it is made (a per-layer list of references,
     not copies): make a new one when the model may have changed, as the engine does at every call."""
 
-    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache, argmax_only: bool = False):
+    def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache | None, argmax_only: bool = False,
+                 int8: bool = False):
         """`argmax_only`: the caller reads nothing but each node's argmax (the engine's greedy verify), so the
         logits come from `infer.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
         where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
-        runs."""
-        super().__init__(self.read_or_refuse(_read, target, "target"), stream_rows, packed)
+        runs. `int8`: the model's linears, its LM head's too, are `cpu_linear.Int8Linear` (the `int8`
+        self-drafter's copy of the target), run on the kernel's int8 rows at any block size."""
+        if int8 and argmax_only:
+            raise ValueError("argmax_only reads an int8 copy of an fp32 LM head; an int8 model's head is one already")
+        super().__init__(self.read_or_refuse(lambda m: _read(m, int8), target,
+                                            "int8 model" if int8 else "target"), stream_rows, packed)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)

@@ -209,6 +209,31 @@ def test_int8_rows_match_their_dequantized_weights():
         kernel.int8_rows_linear(torch.randn(1, 50), q.float(), scale)
 
 
+def test_int8_and_fp32_weights_side_by_side_in_one_pass():
+    """few_rows_linear_cat takes int8 rows (with their scales) beside fp32 weights, as the int8 drafter's
+    lean forward passes its q/k/v and gate/up; a missing or misplaced scale is refused by name."""
+    kernel = _kernel()
+    torch.manual_seed(0)
+    fp32, bias = torch.randn(24, 40), torch.randn(24)
+    q, scale = cpu_linear.int8_rows(torch.randn(13, 40))  # 13 rows: 3 blocks of 4 and one left over
+    for rows in (1, 3, 4, 9, 33):
+        x = torch.randn(rows, 40)
+        got = kernel.few_rows_linear_cat(x, [fp32, q], [bias, None], [None, scale])
+        expected = torch.cat([x @ fp32.T + bias, x @ (q.float() * scale[:, None]).T], dim=-1)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="an int8 weight of 13 rows needs a scale"):
+        kernel.few_rows_linear_cat(x, [q], [None])
+    with pytest.raises(RuntimeError, match="a scale is given for a float32 weight"):
+        kernel.few_rows_linear_cat(x, [fp32], [None], [scale])
+    with pytest.raises(RuntimeError, match="needs a scale \\[13\\]"):
+        kernel.few_rows_linear_cat(x, [q], [None], [scale[:5]])
+    with pytest.raises(RuntimeError, match="one scale \\(or None\\) per weight"):
+        kernel.few_rows_linear_cat(x, [fp32, q], [None, None], [scale])
+    with pytest.raises(RuntimeError, match="float32 or int8 contiguous weights only"):
+        kernel.few_rows_linear_cat(x, [fp32.double()], [None])
+
+
 def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kernel():
     kernel = _kernel()
     torch.manual_seed(0)

@@ -3,6 +3,8 @@ wherever it can run, and left to transformers wherever it cannot or a user's hoo
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from torch import nn
 from heads.eagle3.lean import LeanEagle3
 from heads.eagle3.lean import why_not as eagle3_why_not
 from infer import SelfSpecModel, cpu_linear, lean_forward
+from infer.drafters import self_draft
 from infer.kv import KVState, forward_block, prompt_tree
 
 LEAN = ["llama", "qwen2", "mistral"]
@@ -505,3 +508,90 @@ def test_a_half_precision_drafter_on_cpu_is_warned_about():
     model = SelfSpecModel(target, _eagle3(target).half())
     with pytest.warns(UserWarning, match="float16 on CPU, where half-precision matmuls are slow"):
         model.generate(IDS, max_new_tokens=4)
+
+
+# ------------------------------------------------------------------------------------ the int8 self-drafter
+def _dequantized(target):
+    """The target with each linear weight (the LM head's too, untied from the embedding) replaced by what the
+    `int8` drafter's `Int8Linear` holds, as fp32: the function an int8 lean forward computes, up to rounding."""
+    reference = copy.deepcopy(target)
+    with torch.no_grad():
+        for linear in [m for m in reference.modules() if type(m) is nn.Linear]:
+            q, scale = cpu_linear.int8_rows(linear.weight.detach().float())
+            linear.weight = nn.Parameter(q.float() * scale[:, None])
+    return reference
+
+
+@pytest.mark.parametrize("rows", [4, 24], ids=["few-rows", "more-than-int8-linear-kernel-rows"])
+@pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
+def test_int8_lean_forward_computes_the_int8_models_function(arch, rows, monkeypatch):
+    """The `int8` drafter's copy of the target run lean: every layer one kernel call over int8 rows, at any
+    block size (the model's own forward runs blocks of more than 16 rows on torch's int8 kernel with bf16
+    activations), and the same logits, hidden states and K/V as its weights would give in fp32."""
+    _kernel()
+    whole_layers = []
+    whole_layer = lean_forward.LeanLayers._whole_layer
+    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
+                        lambda self, *args: whole_layers.append(1) or whole_layer(self, *args))
+    target = tiny_model("llama", attention_bias=True, mlp_bias=True) if arch == "llama-biases" else tiny_model(arch)
+    if arch == "llama-biases":
+        with torch.no_grad():
+            for m in target.model.layers.modules():
+                if isinstance(m, nn.Linear):
+                    m.bias.normal_(0, 0.5)
+    draft = self_draft.int8("", target).model
+    assert all(type(m) is not nn.Linear for m in draft.modules())  # every linear is int8 rows
+    lean = lean_forward.LeanForward(draft, 0, None, int8=True)
+    reference = _dequantized(target)
+    prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    block = torch.arange(rows).remainder(90).add(2).view(2, rows // 2)
+    depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
+    outs, caches = [], []
+    with torch.no_grad():
+        for model in (reference, lean):
+            kv = _after_prompt(reference, prompt, mask)
+            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
+            caches.append(kv.cache)
+    expected, got = outs
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+    close(got.logits, expected.logits)
+    for h_got, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
+        close(h_got, h_expected)
+    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
+        close(layer_got.keys, layer_expected.keys)
+        close(layer_got.values, layer_expected.values)
+    assert len(whole_layers) == target.config.num_hidden_layers
+
+
+def test_the_int8_drafter_drafts_lean_and_stays_exact(monkeypatch):
+    _kernel()
+    target = tiny_model("llama")
+    expected = target.generate(IDS, max_new_tokens=30, do_sample=False)
+    draft_layers = []  # whole-layer calls of the drafter's lean forward (the target's own verify makes others)
+    whole_layer = lean_forward.LeanLayers._whole_layer
+    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer", lambda self, *args: draft_layers.append(
+        self.target is not target) or whole_layer(self, *args))
+    model = SelfSpecModel(target, "int8")
+    assert torch.equal(model.generate(IDS, max_new_tokens=30), expected)
+    assert isinstance(model.drafter.lean, lean_forward.LeanForward) and model.drafter.lean.target is model.drafter.model
+    assert sum(draft_layers) >= 2 * target.config.num_hidden_layers  # the prompt and at least one draft
+    # the drafter's own forward where the lean one cannot run it: a GPT-2 target, drafting through its modules
+    gpt2 = tiny_model("gpt2")
+    model = SelfSpecModel(gpt2, "int8")
+    assert torch.equal(model.generate(IDS, max_new_tokens=20), gpt2.generate(IDS, max_new_tokens=20, do_sample=False))
+    assert model.drafter.lean is None
+
+
+def test_an_int8_lean_forward_refuses_what_it_cannot_run():
+    _kernel()
+    target = tiny_model("llama")
+    with pytest.raises(lean_forward.Unsupported, match="cannot run this int8 model: an LM head other than int8 rows"):
+        lean_forward.LeanForward(target, 0, None, int8=True)  # fp32 linears where int8 rows were promised
+    with pytest.raises(lean_forward.Unsupported, match="cannot run this target: a non-standard embedding or lm_head"):
+        lean_forward.LeanForward(self_draft.int8("", target).model, 16, cpu_linear.PackCache())
+    with pytest.raises(ValueError, match="argmax_only"):
+        lean_forward.LeanForward(self_draft.int8("", target).model, 0, None, argmax_only=True, int8=True)

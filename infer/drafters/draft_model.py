@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
 from ..drafting import Drafter, TargetStep
 from ..kv import KVState, forward_block, prompt_tree
+from ..lean_forward import LeanForward, Unsupported
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
 from .adaptive import AdaptiveLength
@@ -19,12 +21,18 @@ class DraftModelDrafter(Drafter):
     (Leviathan et al. 2023; Chen et al. 2023). When sampling, drafts are drawn from the draft model's
     processed distribution q, which verification uses for rejection sampling. With `adaptive=True` a row
     stops drafting where one more token no longer pays (`AdaptiveLength`); otherwise every row drafts
-    `num_tokens`."""
+    `num_tokens`.
 
-    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False):
+    `lean_int8`: the model's linears are all `infer.cpu_linear.Int8Linear` (the `int8` self-drafter's copy of the
+    target), and its forwards run as `infer.lean_forward.LeanForward` computes them, one kernel call a layer,
+    where that can run the model (a Llama-layout model, the kernel built); elsewhere its own forward runs.
+    Transformers' modules around the int8 matmuls cost more than the matmuls do on a 2-core CPU
+    (docs/benchmarks.md)."""
+
+    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False, lean_int8: bool = False):
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        self.model, self.num_tokens = model.eval(), num_tokens
+        self.model, self.num_tokens, self.lean_int8 = model.eval(), num_tokens, lean_int8
         self.decode = None  # the compiled one-token forward, once compile_forwards() is called
         self.compiled_rows: set[int] = set()  # batch sizes it has compiled a graph for
         self.length = AdaptiveLength(num_tokens) if adaptive else None
@@ -50,6 +58,7 @@ class DraftModelDrafter(Drafter):
     def bind(self, target, sampling, batch_size, generator=None):
         super().bind(target, sampling, batch_size, generator)
         self.kv = KVState(batch_size, target.device, self.model.config, roomy=self.decode is None)
+        self.lean = self._lean_forward()
         self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
         self.start = self.fed = 0
         self.off = False  # set once a row outgrows the draft model's context
@@ -65,7 +74,8 @@ class DraftModelDrafter(Drafter):
                 self.off, self.roots = True, step.next_tokens
                 return
             depth, ancestors, valid = prompt_tree(step.valid)
-            forward_block(self.model, self.kv, depth, ancestors, valid, input_ids=step.tokens, logits_to_keep=1)
+            forward_block(self._runner(), self.kv, depth, ancestors, valid, input_ids=step.tokens,
+                          logits_to_keep=1)
             self.kv.mark_valid(valid)
             self.pending = [step.tokens.new_empty(0)] * step.tokens.shape[0]
         else:
@@ -166,10 +176,22 @@ class DraftModelDrafter(Drafter):
         q = torch.stack(qs, 1) if qs else None
         return chain_tree(self.roots, torch.stack(drafts, 1), lengths.to(self.roots.device), q)
 
+    def _lean_forward(self) -> LeanForward | None:
+        """This generation's lean forward of the int8 model, or None where its own forward runs every block."""
+        if not self.lean_int8 or self.decode is not None:
+            return None
+        with contextlib.suppress(Unsupported):
+            return LeanForward(self.model, 0, None, int8=True)  # int8 linears run on the kernel at any size
+        return None
+
+    def _runner(self):
+        """What runs the draft model's eager forwards: its lean forward where there is one, else itself."""
+        return self.lean if self.lean is not None else self.model
+
     def _forward(self, one_token: bool, depth, ancestors, node_valid, inputs):
         """The draft model on a block after its cache: compiled for one-token blocks where it was asked for."""
         if not (one_token and self.decode is not None):
-            return forward_block(self.model, self.kv, depth, ancestors, node_valid, input_ids=inputs,
+            return forward_block(self._runner(), self.kv, depth, ancestors, node_valid, input_ids=inputs,
                                  logits_to_keep=1)
         sizes = [layer.get_seq_length() for layer in self.kv.cache.layers]
         if self.length is not None and inputs.shape[0] not in self.compiled_rows:

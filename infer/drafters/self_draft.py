@@ -6,7 +6,9 @@
   them too drops agreement, see docs/benchmarks.md). On CPU: `infer.cpu_linear.Int8Linear` (fp32 blocks of
   up to 16 rows on the streamed kernel's int8 rows, others on torch's int8 kernel with bf16 activations),
   the target's norms and embedding shared, not copied (torchao's CPU int8 path is slower than fp32 on
-  AVX2); elsewhere a copy quantized by torchao.
+  AVX2), and for a Llama-layout target the whole forward lean (`infer.lean_forward.LeanForward` over the
+  int8 rows: one kernel call a layer, fp32 activations at any block size); elsewhere a copy quantized by
+  torchao.
 - `int4`: the target's own norms and embedding (shared, not copied) with every decoder-layer linear held
   as 4-bit integers in groups of 32 (torch's CPU int4 kernel) and an int8 LM head. An eighth of fp32's
   bytes per layer weight; CPU only. The LM head stays in 8 bits because it is the one weight whose
@@ -50,7 +52,7 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
     if _device(target).type == "cpu":  # Int8Linear: torchao's CPU path is slower than fp32 here
         return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
-                                 adaptive=True)
+                                 adaptive=True, lean_int8=True)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as err:

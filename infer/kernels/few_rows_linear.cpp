@@ -19,9 +19,10 @@
 // layer after its K/V write, from attention to the next layer's input norm, in one call, its attention by
 // `few_rows_attention` where that takes the shapes; `write_kv` puts a block's K and V into the cache's
 // buffers, and `decoder_layer` is a whole layer in one call (q/k/v, rotary, `write_kv`, `attention_tail`).
-// They serve the lean verify forward (infer/lean_forward.py). `int8_rows_linear` streams a weight held as
-// int8 rows, and `argmax_logits` uses it to score only the tokens that could be a row's argmax
-// (infer/argmax_head.py).
+// They serve the lean verify forward (infer/lean_forward.py). Any weight may be held as int8 rows with one
+// fp32 scale a row (widened to fp32 as it is loaded: a quarter of the bytes to stream), which is how the `int8`
+// self-drafter's lean forward runs; `int8_rows_linear` is one such weight alone, and `argmax_logits` uses it to
+// score only the tokens that could be a row's argmax (infer/argmax_head.py).
 
 #include <torch/extension.h>
 
@@ -162,31 +163,50 @@ inline void weight_item(const float* x, const T* w, float* y, int64_t M, int64_t
   else weight_rows<1>(x, w, y, M, K, ldy, blocks * kWeightRows + (item - blocks), scale);
 }
 
-void check_weight(const torch::Tensor& weight, int64_t K, const char* name) {
+// A weight [N, K] as few_rows_linear_cat reads it: fp32 contiguous without a scale, or int8 rows contiguous with
+// one fp32 scale a row [N].
+void check_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale, int64_t K,
+                  const char* name) {
   TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat, name, ": float32 only");
   TORCH_CHECK(weight.is_contiguous(), name, ": the weight must be contiguous");
+  const bool scaled = scale.has_value() && scale->defined();
+  if (weight.scalar_type() == torch::kChar) {
+    TORCH_CHECK(scaled && scale->dim() == 1 && scale->size(0) == weight.size(0) &&
+                    scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
+                name, ": an int8 weight of ", weight.size(0), " rows needs a scale [", weight.size(0),
+                "] float32 contiguous, one a row");
+  } else {
+    TORCH_CHECK(weight.scalar_type() == torch::kFloat, name, ": float32 or int8 contiguous weights only, got ",
+                weight.scalar_type());
+    TORCH_CHECK(!scaled, name, ": a scale is given for a float32 weight (scales are for int8 rows)");
+  }
 }
 
 }  // namespace
 
-// x: [M, K] fp32; weights: [N_i, K] fp32 contiguous; biases: one [N_i] (or None) per weight, or empty.
-// Returns [M, sum N_i]: the weights' outputs side by side, as if they were one concatenated weight (the
-// q/k/v or gate/up projections of a layer in one pass, without a concatenated copy of them in memory).
+// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, or int8 rows with its scale [N_i] (fp32 products and
+// sums either way, the int8 weight widened as it is loaded: a quarter of fp32's bytes to stream); biases, scales:
+// one (or None) per weight, or empty. Returns [M, sum N_i]: the weights' outputs side by side, as if they were one
+// concatenated weight (the q/k/v or gate/up projections of a layer in one pass, without a concatenated copy).
 torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
-                                  const std::vector<c10::optional<torch::Tensor>>& biases) {
+                                  const std::vector<c10::optional<torch::Tensor>>& biases,
+                                  const std::vector<c10::optional<torch::Tensor>>& scales) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "few_rows_linear: x [M, K] float32 expected");
   TORCH_CHECK(!weights.empty(), "few_rows_linear: no weight given");
   TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
+  TORCH_CHECK(scales.empty() || scales.size() == weights.size(), "few_rows_linear: one scale (or None) per weight");
   const torch::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   // Work items, numbered across the weights: each weight's blocks of kWeightRows rows, then its tail rows one
   // by one. first[i] is the number of weight i's first item, column[i] its first output column.
   const size_t count = weights.size();
   std::vector<int64_t> first(count + 1, 0), column(count, 0);
+  std::vector<const float*> scale(count, nullptr);
   int64_t width = 0;
   for (size_t i = 0; i < count; ++i) {
-    check_weight(weights[i], K, "few_rows_linear");
+    const c10::optional<torch::Tensor> none;
+    check_weight(weights[i], scales.empty() ? none : scales[i], K, "few_rows_linear");
+    if (weights[i].scalar_type() == torch::kChar) scale[i] = scales[i]->data_ptr<float>();
     const int64_t N = weights[i].size(0);
     first[i + 1] = first[i] + N / kWeightRows + N % kWeightRows;
     column[i] = width;
@@ -202,7 +222,11 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
     size_t i = 0;
     for (int64_t j = begin; j < end; ++j) {
       while (j >= first[i + 1]) ++i;
-      weight_item(xp, weights[i].data_ptr<float>(), yp + column[i], M, K, width, weights[i].size(0), j - first[i]);
+      const int64_t N = weights[i].size(0);
+      if (scale[i] != nullptr)
+        weight_item(xp, weights[i].data_ptr<int8_t>(), yp + column[i], M, K, width, N, j - first[i], scale[i]);
+      else
+        weight_item(xp, weights[i].data_ptr<float>(), yp + column[i], M, K, width, N, j - first[i]);
     }
   });
   for (size_t i = 0; i < biases.size(); ++i) {
@@ -215,32 +239,15 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
 // x: [M, K] fp32, weight: [N, K] fp32 contiguous, bias: [N] or None -> [M, N]
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
-  return few_rows_linear_cat(x_in, {weight}, {bias});
+  return few_rows_linear_cat(x_in, {weight}, {bias}, {});
 }
 
 // y = (x @ q.T) * scale for a weight held as int8 rows q [N, K] with one fp32 scale a row [N]; x: [M, K] fp32.
-// A quarter of fp32's bytes to stream; each product and sum in fp32, so y differs from x @ (q * scale).T by
-// float rounding only. infer/argmax_head.py uses it to find the candidates for the target's greedy token.
-torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale_in) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "int8_rows_linear: x [M, K] float32 expected");
-  const int64_t M = x_in.size(0), K = x_in.size(1);
-  TORCH_CHECK(q.dim() == 2 && q.size(1) == K && q.scalar_type() == torch::kChar && q.is_contiguous(),
-              "int8_rows_linear: q [N, K] int8 contiguous expected, with K = ", K);
-  const int64_t N = q.size(0);
-  TORCH_CHECK(scale_in.dim() == 1 && scale_in.size(0) == N && scale_in.scalar_type() == torch::kFloat,
-              "int8_rows_linear: scale [N] float32 expected");
-  const torch::Tensor x = x_in.contiguous(), scale = scale_in.contiguous();
-  torch::Tensor y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scale.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  const int64_t items = N / kWeightRows + N % kWeightRows;
-  const int64_t threads = at::get_num_threads();
-  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) weight_item(xp, qp, yp, M, K, N, N, j, sp);
-  });
-  return y;
+// Each product and sum in fp32, so y differs from x @ (q * scale).T by float rounding only. infer/argmax_head.py
+// uses it to find the candidates for the target's greedy token.
+torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
+  TORCH_CHECK(q.scalar_type() == torch::kChar, "int8_rows_linear: q [N, K] int8 contiguous expected");
+  return few_rows_linear_cat(x_in, {q}, {}, {scale});
 }
 
 // The logits x @ w.T + bias where a token could be the argmax of its row, -inf elsewhere, from the int8 copy
@@ -257,7 +264,8 @@ torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weig
                             int64_t max_candidates) {
   const torch::Tensor x = x_in.contiguous(), rho = rho_in.contiguous();
   const int64_t R = x.size(0), V = q.size(0), K = x.size(1);
-  check_weight(weight, K, "argmax_logits");
+  TORCH_CHECK(weight.scalar_type() == torch::kFloat, "argmax_logits: the weight must be float32");
+  check_weight(weight, c10::nullopt, K, "argmax_logits");
   TORCH_CHECK(weight.size(0) == V && rho.dim() == 1 && rho.size(0) == V && rho.scalar_type() == torch::kFloat,
               "argmax_logits: weight [V, K] and rho [V] float32 expected, V = ", V);
   const bool has_bias = bias_in.has_value() && bias_in->defined();
@@ -585,16 +593,32 @@ torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& 
   return few_rows_attention_fitting(qkv, keys, values, mask, heads, scale);
 }
 
+// Weights that share an input and write side by side (q/k/v, gate/up) or one alone, as few_rows_linear_cat takes
+// them: fp32, or int8 rows with their scales; biases and scales one (or None) per weight, or empty. Made once per
+// layer by the lean forward (infer/lean_forward.py), so a layer's call passes four of these, not twelve lists.
+struct Linears {
+  std::vector<torch::Tensor> weights;
+  std::vector<c10::optional<torch::Tensor>> biases, scales;
+  bool int8 = false;  // some weight is int8: only this kernel runs it
+
+  Linears(std::vector<torch::Tensor> weights_, std::vector<c10::optional<torch::Tensor>> biases_,
+          std::vector<c10::optional<torch::Tensor>> scales_)
+      : weights(std::move(weights_)), biases(std::move(biases_)), scales(std::move(scales_)) {
+    TORCH_CHECK(!weights.empty(), "Linears: no weight given");
+    for (const torch::Tensor& w : weights) int8 = int8 || w.scalar_type() == torch::kChar;
+  }
+  int64_t out_features(size_t i) const { return weights[i].size(0); }
+};
+
 namespace {
 
-// x through weights side by side, as the lean forward's `_linear` runs a block: the streamed kernel, or
-// ATen's linear (one row: the GEMV at the memory floor).
-torch::Tensor linear_rows(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
-                          const std::vector<c10::optional<torch::Tensor>>& biases, bool stream) {
-  if (stream) return few_rows_linear_cat(x, weights, biases);
+// x through `linears` side by side, as the lean forward's `_linear` runs a block: the streamed kernel (always
+// for int8 weights), or ATen's linear (one row: the GEMV at the memory floor).
+torch::Tensor linear_rows(const torch::Tensor& x, const Linears& linears, bool stream) {
+  if (stream || linears.int8) return few_rows_linear_cat(x, linears.weights, linears.biases, linears.scales);
   std::vector<torch::Tensor> parts;
-  for (size_t i = 0; i < weights.size(); ++i)
-    parts.push_back(at::linear(x, weights[i], biases.empty() ? c10::nullopt : biases[i]));
+  for (size_t i = 0; i < linears.weights.size(); ++i)
+    parts.push_back(at::linear(x, linears.weights[i], linears.biases.empty() ? c10::nullopt : linears.biases[i]));
   return parts.size() == 1 ? parts[0] : at::cat(parts, 1);
 }
 
@@ -629,19 +653,14 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up_in, int64_t I) {
 // att = SDPA(q, keys, values, mask); x += o(att); x += down(silu(gate(n)) * up(n)) with n = post_norm(x);
 // y = next_norm(x). x: [B, N, D] the residual stream; qkv: [B*N, width] the rotated projection, q's `heads`
 // heads of D first; keys, values: [B, KVH, S, D] the cache after this block's write; mask: [B, 1, N, S]
-// additive. Weights [N, K] fp32 contiguous, one bias (or None) per weight or none; `stream`: the streamed
-// kernel for the linears, else ATen's. Returns {x, y}.
+// additive. o, gate_up (gate first), down: `Linears`; `stream`: the streamed kernel for fp32 linears, else
+// ATen's. Returns {x, y}.
 std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch::Tensor& qkv, const torch::Tensor& keys,
                                           const torch::Tensor& values, const torch::Tensor& mask, int64_t heads,
-                                          double scale, const torch::Tensor& o_weight,
-                                          const std::vector<c10::optional<torch::Tensor>>& o_bias,
-                                          const torch::Tensor& post_norm, double post_eps,
-                                          const std::vector<torch::Tensor>& gate_up,
-                                          const std::vector<c10::optional<torch::Tensor>>& gate_up_bias,
-                                          const torch::Tensor& down_weight,
-                                          const std::vector<c10::optional<torch::Tensor>>& down_bias,
+                                          double scale, const Linears& o, const torch::Tensor& post_norm,
+                                          double post_eps, const Linears& gate_up, const Linears& down,
                                           const torch::Tensor& next_norm, double next_eps, bool stream) {
-  TORCH_CHECK(x_in.dim() == 3 && keys.dim() == 4 && gate_up.size() == 2,
+  TORCH_CHECK(x_in.dim() == 3 && keys.dim() == 4 && gate_up.weights.size() == 2,
               "attention_tail: x [B, N, D], keys [B, KVH, S, D] and the gate and up weights expected");
   const int64_t B = x_in.size(0), N = x_in.size(1), D = x_in.size(2), head_dim = keys.size(3);
   torch::Tensor att;
@@ -652,10 +671,9 @@ std::vector<torch::Tensor> attention_tail(const torch::Tensor& x_in, const torch
     att = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale, keys.size(1) != heads)
               .transpose(1, 2).reshape({B * N, heads * head_dim});
   }
-  torch::Tensor x = x_in.reshape({B * N, D}) + linear_rows(att, {o_weight}, o_bias, stream);
-  const torch::Tensor gu = linear_rows(rms_norm(x, post_norm, post_eps), gate_up, gate_up_bias, stream);
-  const int64_t I = gate_up[0].size(0);
-  x.add_(linear_rows(silu_mul(gu, I), {down_weight}, down_bias, stream));
+  torch::Tensor x = x_in.reshape({B * N, D}) + linear_rows(att, o, stream);
+  const torch::Tensor gu = linear_rows(rms_norm(x, post_norm, post_eps), gate_up, stream);
+  x.add_(linear_rows(silu_mul(gu, gate_up.out_features(0)), down, stream));
   return {x.view({B, N, D}), rms_norm(x, next_norm, next_eps).view({B, N, D})};
 }
 
@@ -699,27 +717,19 @@ std::vector<torch::Tensor> write_kv(const torch::Tensor& qkv, torch::Tensor& key
 // [q|k|v](y), rotary on q and k (`rope_`), K and V into the buffers at slots [size, size + N) (`write_kv`), then
 // `attention_tail`. y: [B, N, K] the layer's normed input; cos, sin: [B*N, D]; the rest as attention_tail's.
 // Returns {x, y, keys, values}: the next residual stream, its next norm, and the buffers' leading slices.
-std::vector<torch::Tensor> decoder_layer(const torch::Tensor& x, const torch::Tensor& y,
-                                         const std::vector<torch::Tensor>& qkv_weights,
-                                         const std::vector<c10::optional<torch::Tensor>>& qkv_biases,
+std::vector<torch::Tensor> decoder_layer(const torch::Tensor& x, const torch::Tensor& y, const Linears& qkv_linears,
                                          const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor& key_buffer,
                                          torch::Tensor& value_buffer, int64_t size, const torch::Tensor& mask,
-                                         int64_t heads, double scale, const torch::Tensor& o_weight,
-                                         const std::vector<c10::optional<torch::Tensor>>& o_bias,
-                                         const torch::Tensor& post_norm, double post_eps,
-                                         const std::vector<torch::Tensor>& gate_up,
-                                         const std::vector<c10::optional<torch::Tensor>>& gate_up_bias,
-                                         const torch::Tensor& down_weight,
-                                         const std::vector<c10::optional<torch::Tensor>>& down_bias,
+                                         int64_t heads, double scale, const Linears& o, const torch::Tensor& post_norm,
+                                         double post_eps, const Linears& gate_up, const Linears& down,
                                          const torch::Tensor& next_norm, double next_eps, bool stream) {
   TORCH_CHECK(x.dim() == 3 && y.dim() == 3 && y.size(0) == x.size(0) && y.size(1) == x.size(1),
               "decoder_layer: x and y [B, N, *] of one block expected");
-  torch::Tensor qkv = linear_rows(y.reshape({y.size(0) * y.size(1), y.size(2)}), qkv_weights, qkv_biases, stream);
+  torch::Tensor qkv = linear_rows(y.reshape({y.size(0) * y.size(1), y.size(2)}), qkv_linears, stream);
   rope_(qkv, cos, sin, heads + key_buffer.size(1));
   const std::vector<torch::Tensor> kv = write_kv(qkv, key_buffer, value_buffer, size, heads);
-  std::vector<torch::Tensor> out = attention_tail(x, qkv, kv[0], kv[1], mask, heads, scale, o_weight, o_bias,
-                                                  post_norm, post_eps, gate_up, gate_up_bias, down_weight, down_bias,
-                                                  next_norm, next_eps, stream);
+  std::vector<torch::Tensor> out = attention_tail(x, qkv, kv[0], kv[1], mask, heads, scale, o, post_norm, post_eps,
+                                                  gate_up, down, next_norm, next_eps, stream);
   out.push_back(kv[0]);
   out.push_back(kv[1]);
   return out;
@@ -729,8 +739,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   m.def("few_rows_linear_cat", &few_rows_linear_cat,
-        "x [M, K] against several weights [N_i, K] (+ biases) at once -> [M, sum N_i], fp32",
-        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"));
+        "x [M, K] against several weights [N_i, K] (fp32, or int8 rows with scales; + biases) at once -> "
+        "[M, sum N_i], fp32",
+        pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"),
+        pybind11::arg("scales") = std::vector<c10::optional<torch::Tensor>>());
+  // module_local: each build (native, AVX2) registers its own type, so both load in one process
+  pybind11::class_<Linears>(m, "Linears", pybind11::module_local(),
+                            "weights sharing an input (fp32, or int8 rows with scales), biases, scales")
+      .def(pybind11::init<std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
+                          std::vector<c10::optional<torch::Tensor>>>(),
+           pybind11::arg("weights"), pybind11::arg("biases"), pybind11::arg("scales"))
+      .def_readonly("int8", &Linears::int8);
   m.def("int8_rows_linear", &int8_rows_linear, "x [M, K] fp32 @ (q [N, K] int8 * scale [N, 1]).T, fp32 sums",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
   m.def("argmax_logits", &argmax_logits,
@@ -749,10 +768,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention_tail", &attention_tail,
         "a Llama decoder layer from attention on (attention, o, residual, MLP, residual) and next_norm(x)",
         pybind11::arg("x"), pybind11::arg("qkv"), pybind11::arg("keys"), pybind11::arg("values"),
-        pybind11::arg("mask"), pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("o_weight"),
-        pybind11::arg("o_bias"),
-        pybind11::arg("post_norm"), pybind11::arg("post_eps"), pybind11::arg("gate_up"),
-        pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"), pybind11::arg("down_bias"),
+        pybind11::arg("mask"), pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("o"),
+        pybind11::arg("post_norm"), pybind11::arg("post_eps"), pybind11::arg("gate_up"), pybind11::arg("down"),
         pybind11::arg("next_norm"), pybind11::arg("next_eps"), pybind11::arg("stream"));
   m.def("silu_mul", &silu_mul, "silu(gate) * up for gate_up [M, 2I], gate's I columns first -> [M, I], fp32",
         pybind11::arg("gate_up"), pybind11::arg("intermediate"));
@@ -762,10 +779,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("heads"));
   m.def("decoder_layer", &decoder_layer,
         "a Llama decoder layer for a block: q/k/v, rotary, the K/V write into buffers with room, attention_tail",
-        pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv_weights"), pybind11::arg("qkv_biases"),
-        pybind11::arg("cos"), pybind11::arg("sin"), pybind11::arg("key_buffer"), pybind11::arg("value_buffer"),
-        pybind11::arg("size"), pybind11::arg("mask"), pybind11::arg("heads"), pybind11::arg("scale"),
-        pybind11::arg("o_weight"), pybind11::arg("o_bias"), pybind11::arg("post_norm"), pybind11::arg("post_eps"),
-        pybind11::arg("gate_up"), pybind11::arg("gate_up_bias"), pybind11::arg("down_weight"),
-        pybind11::arg("down_bias"), pybind11::arg("next_norm"), pybind11::arg("next_eps"), pybind11::arg("stream"));
+        pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
+        pybind11::arg("key_buffer"), pybind11::arg("value_buffer"), pybind11::arg("size"), pybind11::arg("mask"),
+        pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("o"), pybind11::arg("post_norm"),
+        pybind11::arg("post_eps"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("next_norm"),
+        pybind11::arg("next_eps"), pybind11::arg("stream"));
 }
