@@ -120,8 +120,12 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
     for (int b = 0; b < B; ++b) {
       const T* row = w + (n + b) * K + k;
       wv[b] = load_lanes(row);
-      __builtin_prefetch(row + ahead, 0, 3);
-      __builtin_prefetch(row + far_ahead, 0, 1);
+      // fp32: every step, as measured for it; int8: once per 64-byte line, not at each of its 4 (AVX-512) or 8
+      // steps (SmolLM2's int8 linears and head at one row, 2-core Xeon, median of 12: 7.2 -> 6.7 ms)
+      if (sizeof(T) == sizeof(float) || k % 64 == 0) {
+        __builtin_prefetch(row + ahead, 0, 3);
+        __builtin_prefetch(row + far_ahead, 0, 1);
+      }
     }
     for (int r = 0; r < R; ++r) {
       vec xv = *reinterpret_cast<const vec*>(x + r * K + k);
