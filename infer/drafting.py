@@ -28,6 +28,9 @@ class TargetStep:
     # which of them were scored as proposed ([B, E]; a node pruned by the budget or a row-mixing wrapper is not).
     scored_logits: torch.Tensor | None = None
     scored_valid: torch.Tensor | None = None
+    # At the prefill only: the target's KV cache, whose layers hold the K/V of `tokens` in their first A slots
+    # (a drafter whose model is a copy of the target may take them instead of computing its own). Read-only.
+    prompt_cache: object | None = None
 
     def following_tokens(self) -> torch.Tensor:
         """[B, A]: for every slot, the token that follows it (the next slot's, or `next_tokens` at the end)."""

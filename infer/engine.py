@@ -449,7 +449,7 @@ class SelfSpecModel:
         logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
         root = next_token(logits[:, -1], settings.sampling, generator)
         return TargetStep(tokens=input_ids, valid=valid, next_tokens=root,
-                          hidden=self._features(out))
+                          hidden=self._features(out), prompt_cache=kv.cache)
 
     def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor,
                 stats: dict):

@@ -551,3 +551,61 @@ def test_commit_keeps_exactly_the_accepted_path(path):
     for layer, ref in zip(kv.cache.layers, reference.past_key_values.layers, strict=True):
         torch.testing.assert_close(layer.keys, ref.keys)
         torch.testing.assert_close(layer.values, ref.values)
+
+
+# ------------------------------------------------------------------------------------ the prompt's K/V
+@pytest.mark.parametrize("drafter", ["early_exit:2", "int8", "bf16"])
+def test_self_drafters_take_the_prompts_kv_from_the_target(drafter, monkeypatch):
+    """A self-drafter's layers are the target's (or copies of them), so its prefill copies the target's K/V for the
+    prompt rather than running the draft model over it; early exit's first layers give the same K/V exactly."""
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+    expected = target.generate(ids, max_new_tokens=16, do_sample=False)
+    model = SelfSpecModel(target, drafter)
+    draft, blocks = model.drafter, []
+    run = draft._runner
+    monkeypatch.setattr(draft, "_runner", lambda: blocks.append(1) or run())
+    seen = {}
+    observe = type(draft).observe
+
+    def spy(self, step):
+        first = self.kv.size == 0
+        observe(self, step)
+        if first:
+            seen["target"] = [(layer.keys[:, :, :10].clone(), layer.values[:, :, :10].clone())
+                              for layer in step.prompt_cache.layers]
+            seen["draft"] = [(layer.keys.clone(), layer.values.clone()) for layer in self.kv.cache.layers]
+            seen["blocks"] = len(blocks)
+
+    monkeypatch.setattr(type(draft), "observe", spy)
+    assert torch.equal(model.generate(ids, max_new_tokens=16), expected)
+    assert seen["blocks"] == 0  # no draft forward over the prompt
+    assert len(seen["draft"]) == draft.model.config.num_hidden_layers
+    for (k, v), (tk, tv) in zip(seen["draft"], seen["target"], strict=False):
+        assert k.dtype == draft.model.dtype
+        assert torch.equal(k, tk.to(k.dtype)) and torch.equal(v, tv.to(v.dtype))
+
+
+def test_a_draft_model_of_its_own_computes_the_prompts_kv_and_a_short_cache_is_not_copied():
+    from infer.drafters.draft_model import PromptKV
+
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+    draft = DraftModelDrafter(perturbed_copy(target), num_tokens=3)  # not told its layers are the target's
+    model = SelfSpecModel(target, draft)
+    assert torch.equal(model.generate(ids, max_new_tokens=12), target.generate(ids, max_new_tokens=12, do_sample=False))
+    assert not draft.prompt_kv_from_target
+
+    class Layer:
+        def __init__(self, slots):
+            self.keys = self.values = torch.zeros(1, 2, slots, 8)
+
+    class Cache:
+        def __init__(self, *slots):
+            self.layers = [Layer(s) for s in slots]
+
+    layers = target.config.num_hidden_layers
+    assert PromptKV.of(Cache(*[10] * layers), target, 10) is not None
+    assert PromptKV.of(Cache(*[10] * (layers - 1), 4), target, 10) is None  # a window kept only 4 slots
+    assert PromptKV.of(Cache(*[10] * (layers - 1)), target, 10) is None  # fewer layers than the draft's
+    assert PromptKV.of(None, target, 10) is None

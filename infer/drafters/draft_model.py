@@ -27,12 +27,19 @@ class DraftModelDrafter(Drafter):
     target), and its forwards run as `infer.lean_forward.LeanForward` computes them, one kernel call a layer,
     where that can run the model (a Llama-layout model, the kernel built); elsewhere its own forward runs.
     Transformers' modules around the int8 matmuls cost more than the matmuls do on a 2-core CPU
-    (docs/benchmarks.md)."""
+    (docs/benchmarks.md).
 
-    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False, lean_int8: bool = False):
+    `prompt_kv_from_target`: the model's decoder layers are the target's first layers or copies of them (the
+    self-drafters: a lower-precision copy, or its first k layers), so their K/V for the prompt are the target's,
+    exactly or to the copy's rounding; the prefill copies them from the target's cache instead of running the
+    model over the prompt. Only the drafts can change, never the output."""
+
+    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False, lean_int8: bool = False,
+                 prompt_kv_from_target: bool = False):
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.model, self.num_tokens, self.lean_int8 = model.eval(), num_tokens, lean_int8
+        self.prompt_kv_from_target = prompt_kv_from_target
         self.decode = None  # the compiled one-token forward, once compile_forwards() is called
         self.compiled_rows: set[int] = set()  # batch sizes it has compiled a graph for
         self.length = AdaptiveLength(num_tokens) if adaptive else None
@@ -74,7 +81,9 @@ class DraftModelDrafter(Drafter):
                 self.off, self.roots = True, step.next_tokens
                 return
             depth, ancestors, valid = prompt_tree(step.valid)
-            forward_block(self._runner(), self.kv, depth, ancestors, valid, input_ids=step.tokens,
+            copy = PromptKV.of(step.prompt_cache, self.model, step.tokens.shape[1]) if (
+                self.prompt_kv_from_target) else None
+            forward_block(copy or self._runner(), self.kv, depth, ancestors, valid, input_ids=step.tokens,
                           logits_to_keep=1)
             self.kv.mark_valid(valid)
             self.pending = [step.tokens.new_empty(0)] * step.tokens.shape[0]
@@ -223,3 +232,36 @@ class DraftModelDrafter(Drafter):
         self.kv.select_rows(rows)
         self.pending = [self.pending[int(r)] for r in rows]
         self.roots = self.roots[rows]
+
+
+class PromptKV:
+    """Run in the draft model's place on the prompt (`KVState.forward` calls it as it would the model): writes the
+    target's K/V of the prompt, from its cache, into the draft's cache, one layer per draft layer, in the draft's
+    dtype. Returns nothing: the prefill reads no logits."""
+
+    def __init__(self, target_cache, model):
+        self.source, self.dtype = target_cache, model.dtype
+        self.layers = model.config.get_text_config().num_hidden_layers
+
+    @classmethod
+    def of(cls, target_cache, model, n: int) -> PromptKV | None:
+        """One for a prompt of `n` slots, or None where the target's cache does not hold every draft layer's
+        first `n` slots as [B, H, S, D] tensors (none given, fewer layers, a window that dropped slots)."""
+        if target_cache is None:
+            return None
+        made = cls(target_cache, model)
+        layers = getattr(target_cache, "layers", [])
+        if len(layers) < made.layers:
+            return None
+        for layer in layers[:made.layers]:
+            keys = getattr(layer, "keys", None)
+            if not isinstance(keys, torch.Tensor) or keys.dim() != 4 or keys.shape[2] < n:
+                return None
+        return made
+
+    def __call__(self, input_ids, *, cache, **model_inputs):
+        # model_inputs (mask, positions, ...): what the model would read to compute the K/V it copies
+        n = input_ids.shape[1]
+        for i in range(self.layers):
+            layer = self.source.layers[i]
+            cache.update(layer.keys[:, :, :n].to(self.dtype), layer.values[:, :, :n].to(self.dtype), i)

@@ -44,7 +44,8 @@ def _copy_of(target) -> nn.Module:
 def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'bf16' takes no argument, got {arg!r}")
-    return DraftModelDrafter(_copy_of(target).to(torch.bfloat16), num_tokens=MAX_TOKENS, adaptive=True)
+    return DraftModelDrafter(_copy_of(target).to(torch.bfloat16), num_tokens=MAX_TOKENS, adaptive=True,
+                             prompt_kv_from_target=True)
 
 
 def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
@@ -52,7 +53,7 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
     if _device(target).type == "cpu":  # Int8Linear: torchao's CPU path is slower than fp32 here
         return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
-                                 adaptive=True, lean_int8=True)
+                                 adaptive=True, lean_int8=True, prompt_kv_from_target=True)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as err:
@@ -60,7 +61,7 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
                           "install it with: pip install torchao") from err
     draft = _copy_of(target)
     quantize_(draft, Int8WeightOnlyConfig())
-    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
+    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True, prompt_kv_from_target=True)
 
 
 def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
@@ -77,7 +78,7 @@ def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
     if not any(isinstance(m, Int4Linear) for m in draft.modules()):
         raise ValueError(f"no linear layer of {type(target).__name__} has a shape torch's CPU int4 kernel takes "
                          "(out_features by 16, in_features by 32); use 'int8'")
-    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True)
+    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True, prompt_kv_from_target=True)
 
 
 def _device(model) -> torch.device:
@@ -110,7 +111,8 @@ def early_exit(arg, target, tokenizer=None) -> DraftModelDrafter:
                          f"of the target's {layers} layers; got {arg!r}") from None
     if not 1 <= k < layers:
         raise ValueError(f"early_exit:{k} must keep between 1 and {layers - 1} of the target's {layers} layers")
-    return DraftModelDrafter(shallow_model(target, list(range(k))), num_tokens=MAX_TOKENS, adaptive=True)
+    return DraftModelDrafter(shallow_model(target, list(range(k))), num_tokens=MAX_TOKENS, adaptive=True,
+                             prompt_kv_from_target=True)  # the target's first k layers: the same K/V exactly
 
 
 def _layer_count(target) -> int:
