@@ -36,48 +36,69 @@ def _after_prompt(model, prompt, mask):
     return kv
 
 
+def _spy_whole_layers(monkeypatch) -> list:
+    """A list that gets the lean forward of each `LeanLayers._whole_layer` call (a layer in one kernel call)."""
+    calls = []
+    whole_layer = lean_forward.LeanLayers._whole_layer
+    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
+                        lambda self, *args: calls.append(self) or whole_layer(self, *args))
+    return calls
+
+
+def _lean_target(arch: str):
+    """A tiny target of `arch`; "llama-biases": every linear with a random bias (transformers initializes them
+    to 0)."""
+    if arch != "llama-biases":
+        return tiny_model(arch)
+    target = tiny_model("llama", attention_bias=True, mlp_bias=True)
+    biases = [m.bias for m in target.model.layers.modules() if isinstance(m, nn.Linear)]
+    assert len(biases) == 7 * target.config.num_hidden_layers and all(b is not None for b in biases)
+    with torch.no_grad():
+        for b in biases:
+            b.normal_(0, 0.5)
+    return target
+
+
+def _assert_same_forward(reference, lean, block, depth, ancestors, valid):
+    """`lean` on `block` after a two-row prompt (the first left-padded) gives the logits, hidden states and K/V
+    `reference` gives, to float rounding: sums run in another order (atol in units of the tensor's scale)."""
+    prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    outs, caches = [], []
+    with torch.no_grad():
+        for model in (reference, lean):
+            kv = _after_prompt(reference, prompt, mask)
+            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
+            caches.append(kv.cache)
+    expected, got = outs
+
+    def close(a, b):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+    close(got.logits, expected.logits)
+    assert len(got.hidden_states) == len(expected.hidden_states) == reference.config.num_hidden_layers + 1
+    for h_got, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
+        close(h_got, h_expected)
+    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
+        close(layer_got.keys, layer_expected.keys)
+        close(layer_got.values, layer_expected.values)
+
+
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
 @pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
 def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows, monkeypatch):
     whole_layers = []  # with the kernel, each layer is one call that writes K/V into the cache's buffers
     if stream_rows:
         _kernel()
-        whole_layer = lean_forward.LeanLayers._whole_layer
-        monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
-                            lambda self, *args: whole_layers.append(1) or whole_layer(self, *args))
-    target = tiny_model("llama", attention_bias=True, mlp_bias=True) if arch == "llama-biases" else tiny_model(arch)
-    if arch == "llama-biases":  # every linear has a bias, random (transformers initializes them to 0)
-        biases = [m.bias for m in target.model.layers.modules() if isinstance(m, nn.Linear)]
-        assert len(biases) == 7 * target.config.num_hidden_layers and all(b is not None for b in biases)
-        with torch.no_grad():
-            for b in biases:
-                b.normal_(0, 0.5)
+        whole_layers = _spy_whole_layers(monkeypatch)
+    target = _lean_target(arch)
     lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
-    # two rows, the first left-padded, then a tree block: root, two children of it, a grandchild
-    prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    # a tree block after the prompt: root, two children of it, a grandchild
     depth = torch.tensor([[0, 1, 1, 2]] * 2)
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].repeat(2, 1, 1)
     valid = torch.ones(2, 4, dtype=torch.bool)
     block = torch.tensor([[11, 12, 13, 14], [15, 16, 17, 18]])
-    outs, caches = [], []
-    with torch.no_grad():
-        for model in (target, lean):
-            kv = _after_prompt(target, prompt, mask)
-            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
-            caches.append(kv.cache)
-    expected, got = outs
-
-    def close(a, b):  # float rounding only: sums run in another order (atol in units of the tensor's scale)
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-
-    close(got.logits, expected.logits)
-    assert len(got.hidden_states) == len(expected.hidden_states) == target.config.num_hidden_layers + 1
-    for h_got, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
-        close(h_got, h_expected)
-    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
-        close(layer_got.keys, layer_expected.keys)
-        close(layer_got.values, layer_expected.values)
+    _assert_same_forward(target, lean, block, depth, ancestors, valid)
     assert len(whole_layers) == (target.config.num_hidden_layers if stream_rows else 0)
 
 
@@ -529,41 +550,14 @@ def test_int8_lean_forward_computes_the_int8_models_function(arch, rows, monkeyp
     block size (the model's own forward runs blocks of more than 16 rows on torch's int8 kernel with bf16
     activations), and the same logits, hidden states and K/V as its weights would give in fp32."""
     _kernel()
-    whole_layers = []
-    whole_layer = lean_forward.LeanLayers._whole_layer
-    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
-                        lambda self, *args: whole_layers.append(1) or whole_layer(self, *args))
-    target = tiny_model("llama", attention_bias=True, mlp_bias=True) if arch == "llama-biases" else tiny_model(arch)
-    if arch == "llama-biases":
-        with torch.no_grad():
-            for m in target.model.layers.modules():
-                if isinstance(m, nn.Linear):
-                    m.bias.normal_(0, 0.5)
+    whole_layers = _spy_whole_layers(monkeypatch)
+    target = _lean_target(arch)
     draft = self_draft.int8("", target).model
     assert all(type(m) is not nn.Linear for m in draft.modules())  # every linear is int8 rows
     lean = lean_forward.LeanForward(draft, 0, None, int8=True)
-    reference = _dequantized(target)
-    prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     block = torch.arange(rows).remainder(90).add(2).view(2, rows // 2)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
-    outs, caches = [], []
-    with torch.no_grad():
-        for model in (reference, lean):
-            kv = _after_prompt(reference, prompt, mask)
-            outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
-            caches.append(kv.cache)
-    expected, got = outs
-
-    def close(a, b):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
-
-    close(got.logits, expected.logits)
-    for h_got, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
-        close(h_got, h_expected)
-    for layer_got, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
-        close(layer_got.keys, layer_expected.keys)
-        close(layer_got.values, layer_expected.values)
+    _assert_same_forward(_dequantized(target), lean, block, depth, ancestors, valid)
     assert len(whole_layers) == target.config.num_hidden_layers
 
 
@@ -571,14 +565,12 @@ def test_the_int8_drafter_drafts_lean_and_stays_exact(monkeypatch):
     _kernel()
     target = tiny_model("llama")
     expected = target.generate(IDS, max_new_tokens=30, do_sample=False)
-    draft_layers = []  # whole-layer calls of the drafter's lean forward (the target's own verify makes others)
-    whole_layer = lean_forward.LeanLayers._whole_layer
-    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer", lambda self, *args: draft_layers.append(
-        self.target is not target) or whole_layer(self, *args))
+    whole_layers = _spy_whole_layers(monkeypatch)
     model = SelfSpecModel(target, "int8")
     assert torch.equal(model.generate(IDS, max_new_tokens=30), expected)
     assert isinstance(model.drafter.lean, lean_forward.LeanForward) and model.drafter.lean.target is model.drafter.model
-    assert sum(draft_layers) >= 2 * target.config.num_hidden_layers  # the prompt and at least one draft
+    # the drafter's lean forward's layers (the target's own verify makes the others): two draft forwards at least
+    assert sum(lean is model.drafter.lean for lean in whole_layers) >= 2 * target.config.num_hidden_layers
     # the drafter's own forward where the lean one cannot run it: a GPT-2 target, drafting through its modules
     gpt2 = tiny_model("gpt2")
     model = SelfSpecModel(gpt2, "int8")
