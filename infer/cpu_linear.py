@@ -40,6 +40,7 @@ import weakref
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -200,49 +201,74 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-INT4_GROUP = 32  # inputs per (scale, offset) pair; the smallest group torch's CPU int4 kernel takes
+GROUP = 32  # inputs per scale (and offset) of the kernel's grouped weights: GGUF's Q4_1 and Q8_0 blocks
 
 
 def int4_fits(weight: torch.Tensor) -> bool:
-    """Whether torch's CPU int4 kernel takes a [out, in] weight (outputs by 16, inputs by the group)."""
-    out_features, in_features = weight.shape
-    return out_features % 16 == 0 and in_features % INT4_GROUP == 0
+    """Whether a [out, in] weight can be held in groups of `GROUP` inputs (`Int4Linear`, `Int8Linear(group=True)`)."""
+    return weight.shape[1] % GROUP == 0
+
+
+def int4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An fp32 weight [N, K] in 4-bit groups of `GROUP` inputs, asymmetric (GGUF's Q4_1): (q [N, K / 2] uint8,
+    two a byte, the group's input j in the low nibble of its byte j and input j + 16 in the high one; scale and low
+    [N, K / GROUP] fp32), weight ~ q * scale + low. For weights dequantized from Q4_1 (the embedded SmolLM2 target)
+    this finds their q, scale and low again: q * scale + low gives back every weight exactly."""
+    with torch.no_grad():
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP, GROUP)
+        low, high = groups.amin(-1), groups.amax(-1)
+        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
+        q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        halves = q.reshape(out_features, in_features // GROUP, 2, GROUP // 2)
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(out_features, in_features // 2)
+    return packed.contiguous(), scale.contiguous(), low.contiguous()
+
+
+def int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that `int4_groups`' (q, scale, low) hold."""
+    out_features = q.shape[0]
+    bytes_ = q.reshape(out_features, -1, GROUP // 2)  # [N, K / GROUP, 16]
+    groups = torch.cat((bytes_ & 15, bytes_ >> 4), -1).float()  # [N, K / GROUP, 32]: inputs j, then j + 16
+    return (groups * scale[..., None] + low[..., None]).reshape(out_features, -1)
 
 
 class Int4Linear(nn.Module):
-    """A linear layer whose weight is held as 4-bit integers, run by torch's CPU int4 kernel.
+    """A linear layer whose weight is held as 4-bit integers in groups of `GROUP` inputs, each group with its
+    own scale and offset (`int4_groups`: w = q * scale + low, q in 0..15, GGUF's Q4_1). A target dequantized from a
+    Q4_1 file, as the embedded SmolLM2 is, is held again exactly, in 6 bits a weight (the scale and offset in fp32)
+    where fp32 takes 32; other weights to within half a step of their group.
 
-    Each group of 32 inputs of an output row has its own scale and offset (w = q * scale + min, q in
-    0..15): asymmetric, so a weight that was dequantized from a 4-bit GGUF format with the same groups
-    (Q4_0, Q4_1) is held again exactly up to the bfloat16 rounding of the scale and offset. The kernel
-    takes bfloat16 activations; the output comes back in the input's dtype. A quarter of bf16's bytes
-    per weight, which is what a one-row decode step reads.
-    """
+    fp32 inputs of up to `KERNEL_ROWS` rows run on the streamed kernel (fp32 products and sums, the weight
+    dequantized in registers as it streams); others, and any input without the kernel, multiply the dequantized
+    fp32 weight, made at each call. The output comes back in the input's dtype."""
+
+    KERNEL_ROWS = 16
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         if not int4_fits(weight):
-            raise ValueError(f"int4 needs out_features divisible by 16 and in_features by {INT4_GROUP}; "
-                             f"got {tuple(weight.shape)}")
-        weight = weight.detach().float()
-        out_features, in_features = weight.shape
-        # weight: [N, K] -> groups: [N, K / G, G]
-        groups = weight.reshape(out_features, in_features // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(-1, keepdim=True), groups.amax(-1, keepdim=True)
-        scale = ((high - low) / 15).clamp(min=torch.finfo(torch.float32).tiny)
-        q = ((groups - low) / scale).round().clamp(0, 15).to(torch.int32).reshape(out_features, in_features)
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 8), persistent=False)
-        # the kernel computes (q - 8) * scale + offset, so offset = min + 8 * scale; layout [K / G, N, 2]
-        scales_offsets = torch.cat([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
-        self.register_buffer("scales_offsets", scales_offsets.to(torch.bfloat16), persistent=False)
+            raise ValueError(f"int4 needs in_features divisible by {GROUP}; got {tuple(weight.shape)}")
+        q, scale, low = int4_groups(weight.detach().float())
+        self.register_buffer("q", q, persistent=False)
+        self.register_buffer("scale", scale, persistent=False)
+        self.register_buffer("low", low, persistent=False)
         self.bias = None if bias is None else bias.detach().clone()
-        self.out_features = out_features
+        self.out_features = weight.shape[0]
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The fp32 weight [out, in] this layer holds."""
+        return int4_weight(self.q, self.scale, self.low)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
-        rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_offsets)
-        y = y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        rows = x.reshape(-1, x.shape[-1])
+        kernel = streamed_kernel() if x.dtype == torch.float32 and rows.shape[0] <= self.KERNEL_ROWS else None
+        if kernel is not None:
+            y = kernel.few_rows_linear_cat(rows, [self.q], [None], [self.scale], [self.low])
+        else:
+            y = F.linear(rows.float(), self.weight_fp32()).to(x.dtype)
+        y = y.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(x.dtype)
 
 
@@ -255,34 +281,58 @@ def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An fp32 weight [N, K] as int8 in groups of `GROUP` inputs, symmetric (GGUF's Q8_0): (q [N, K] int8, scale
+    [N, K / GROUP] fp32), weight ~ q * scale. Weights dequantized from Q8_0 (the embedded SmolLM2's tied embedding
+    and LM head) come back exactly."""
+    with torch.no_grad():
+        out_features, in_features = weight.shape
+        groups = weight.reshape(out_features, in_features // GROUP, GROUP)
+        scale = (groups.abs().amax(-1) / 127).clamp(min=torch.finfo(torch.float32).tiny)
+        q = (groups / scale[..., None]).round().clamp(-127, 127).to(torch.int8).reshape(out_features, in_features)
+    return q.contiguous(), scale.contiguous()
+
+
 class Int8Linear(nn.Module):
-    """A linear layer whose weight is held as int8 per output row (symmetric, one scale a row); the output comes
-    back in the input's dtype. Half of bf16's bytes per weight; for weights on no 4-bit grid, closer to them
-    than `Int4Linear`.
+    """A linear layer whose weight is held as int8 (symmetric) with one scale a row, or with `group=True` one
+    scale a group of `GROUP` inputs (`int8_groups`, GGUF's Q8_0: a weight dequantized from Q8_0 is held again
+    exactly); the output comes back in the input's dtype. Half of bf16's bytes per weight; for weights on no
+    4-bit grid, closer to them than `Int4Linear`.
 
     fp32 inputs of up to `KERNEL_ROWS` rows (a draft token, a catch-up block) run on the streamed kernel's
-    int8 rows (`int8_rows_linear`: fp32 products and sums, the int8 weight read once). Other inputs run torch's
-    CPU int8 weight-only kernel with bfloat16 activations: on the 2-core Xeon it took 19.0 ms for SmolLM2's
-    linears at one row, the streamed kernel 8.5 ms, and its bf16 activations move the drafts further from the
-    target's."""
+    int8 rows (fp32 products and sums, the int8 weight read once). Other inputs run torch's CPU int8
+    weight-only kernel with bfloat16 activations (one scale a row; grouped weights multiply their dequantized fp32
+    weight): on the 2-core Xeon it took 19.0 ms for SmolLM2's linears at one row, the streamed kernel 8.5 ms, and
+    its bf16 activations move the drafts further from the target's."""
 
     KERNEL_ROWS = 16
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: bool = False):
         super().__init__()
-        q, scale = int8_rows(weight.detach().float())
+        if group and not int4_fits(weight):
+            raise ValueError(f"int8 groups need in_features divisible by {GROUP}; got {tuple(weight.shape)}")
+        q, scale = (int8_groups if group else int8_rows)(weight.detach().float())
         self.register_buffer("q", q, persistent=False)
         self.register_buffer("scale", scale, persistent=False)
-        self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)  # torch's kernel's
+        if not group:
+            self.register_buffer("scale_bf16", scale.to(torch.bfloat16), persistent=False)  # torch's kernel's
         self.bias = None if bias is None else bias.detach().clone()
-        self.out_features = weight.shape[0]
+        self.out_features, self.group = weight.shape[0], group
+
+    def weight_fp32(self) -> torch.Tensor:
+        """The fp32 weight [out, in] this layer holds."""
+        if self.group:
+            return (self.q.reshape(self.out_features, -1, GROUP) * self.scale[..., None]).reshape(self.q.shape)
+        return self.q.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., K] -> [..., N]
         rows = x.reshape(-1, x.shape[-1])
         kernel = streamed_kernel() if x.dtype == torch.float32 and rows.shape[0] <= self.KERNEL_ROWS else None
         if kernel is not None:
-            y = kernel.int8_rows_linear(rows, self.q, self.scale)
+            y = kernel.few_rows_linear_cat(rows, [self.q], [None], [self.scale])
+        elif self.group:
+            y = F.linear(rows.float(), self.weight_fp32()).to(x.dtype)
         else:
             y = torch.ops.aten._weight_int8pack_mm(rows.to(torch.bfloat16), self.q, self.scale_bf16).to(x.dtype)
         y = y.reshape(*x.shape[:-1], self.out_features)

@@ -31,10 +31,10 @@ it is made, so the engine makes one per generate call):
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
 
-The same forward runs the `int8` self-drafter's copy of the target (`LeanForward(draft, 0, None, int8=True)`,
-its linears `cpu_linear.Int8Linear`): the kernel reads their int8 rows at every block size, as nothing else
-here runs them. On SmolLM2 (2-core Xeon) a one-token draft forward over 300 cached slots costs 9.5 ms this
-way against 24 ms through transformers' modules.
+The same forward runs the `int8` and `int4` self-drafters' copies of the target (`LeanForward(draft, 0, None,
+quantized=True)`, their linears `cpu_linear.Int8Linear` or `Int4Linear`): the kernel reads their quantized weights
+at every block size, as nothing else here runs them. On SmolLM2 (2-core Xeon) a one-token `int8` draft forward
+over 300 cached slots costs 9.5 ms this way against 24 ms through transformers' modules.
 
 Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, a SiLU gated
 MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
@@ -68,28 +68,31 @@ class LeanOutput:
 @dataclass(frozen=True)
 class Linears:
     """Weights (and biases) that share an input and write side by side: q/k/v, gate/up, or one alone. Each weight
-    is an `nn.Linear`'s fp32 one, or the int8 rows of a `cpu_linear.Int8Linear` with their scales."""
+    is an `nn.Linear`'s fp32 one, or the quantized one of a `cpu_linear.Int8Linear` or `cpu_linear.Int4Linear`
+    with its scales (and offsets)."""
 
     weights: tuple[torch.Tensor, ...]
     biases: tuple[torch.Tensor | None, ...]
-    scales: tuple[torch.Tensor | None, ...]  # one fp32 scale a row for an int8 weight, None for an fp32 one
+    scales: tuple[torch.Tensor | None, ...]  # a quantized weight's fp32 scales (a row's or a group's), else None
+    lows: tuple[torch.Tensor | None, ...]  # a 4-bit weight's fp32 offsets (a group's), else None
     streamable: bool  # every weight contiguous: the streamed kernel can read it as it is
 
     @classmethod
     def of(cls, *linears: nn.Module) -> Linears:
-        int8 = [type(m) is cpu_linear.Int8Linear for m in linears]
-        weights = tuple(m.q if q else m.weight for m, q in zip(linears, int8, strict=True))
-        scales = tuple(m.scale if q else None for m, q in zip(linears, int8, strict=True))
-        return cls(weights, tuple(m.bias for m in linears), scales, all(w.is_contiguous() for w in weights))
+        quantized = [type(m) in QUANTIZED for m in linears]
+        weights = tuple(m.q if q else m.weight for m, q in zip(linears, quantized, strict=True))
+        scales = tuple(m.scale if q else None for m, q in zip(linears, quantized, strict=True))
+        lows = tuple(getattr(m, "low", None) for m in linears)
+        return cls(weights, tuple(m.bias for m in linears), scales, lows, all(w.is_contiguous() for w in weights))
 
     @property
-    def int8(self) -> bool:
-        """Some weight is int8: only the streamed kernel runs it."""
+    def quantized(self) -> bool:
+        """Some weight is int8 or 4-bit: only the streamed kernel runs it."""
         return any(s is not None for s in self.scales)
 
     def native(self, kernel):
         """These weights as the kernel's `Linears`, which `decoder_layer` and `attention_tail` take."""
-        return kernel.Linears(list(self.weights), list(self.biases), list(self.scales))
+        return kernel.Linears(list(self.weights), list(self.biases), list(self.scales), list(self.lows))
 
 
 @dataclass(frozen=True)
@@ -120,21 +123,27 @@ def plain_linear(module: nn.Module) -> bool:
     return type(module) is nn.Linear and cpu_linear._plain(module.weight)
 
 
-def readable_linear(module: nn.Module, int8: bool) -> bool:
-    """An fp32 `nn.Linear`, or where `int8`, a `cpu_linear.Int8Linear` (and nothing else)."""
-    return type(module) is cpu_linear.Int8Linear if int8 else plain_linear(module)
+QUANTIZED = (cpu_linear.Int8Linear, cpu_linear.Int4Linear)
 
 
-def read_layer(layer: nn.Module, int8: bool = False) -> Layer:
-    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `Unsupported`. `int8`:
-    its linears are all `cpu_linear.Int8Linear` (the `int8` self-drafter's), else all fp32 `nn.Linear`."""
+def readable_linear(module: nn.Module, quantized: bool) -> bool:
+    """An fp32 `nn.Linear`, or where `quantized`, a `cpu_linear.Int8Linear` or `cpu_linear.Int4Linear` (and
+    nothing else)."""
+    return type(module) in QUANTIZED if quantized else plain_linear(module)
+
+
+def read_layer(layer: nn.Module, quantized: bool = False) -> Layer:
+    """One Llama-layout decoder layer (its q/k/v may take a wider input: EAGLE-3's), or `Unsupported`.
+    `quantized`: its linears are all `cpu_linear.Int8Linear` or `Int4Linear` (the `int8` and `int4`
+    self-drafters'), else all fp32 `nn.Linear`."""
     if type(layer).__name__ not in LAYERS:
         raise Unsupported(f"decoder layer {type(layer).__name__} (supported: {', '.join(LAYERS)})")
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
-    if not all(readable_linear(m, int8) for m in (q, k, v, o, gate, up, down)):
-        raise Unsupported("linear layers other than int8 rows" if int8 else "adapted or quantized linear layers")
+    if not all(readable_linear(m, quantized) for m in (q, k, v, o, gate, up, down)):
+        raise Unsupported("linear layers other than int8 or 4-bit ones" if quantized
+                          else "adapted or quantized linear layers")
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
         raise Unsupported("q/k norms")
     head_dim = attn.head_dim
@@ -149,12 +158,12 @@ def check_cpu_fp32(model: nn.Module) -> None:
         raise Unsupported("not an fp32 model on CPU")
 
 
-def _read(target, int8: bool = False) -> list[Layer]:
-    """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it. `int8`: its
-    linears, the LM head's too, are `cpu_linear.Int8Linear`, which only the streamed kernel runs."""
+def _read(target, quantized: bool = False) -> list[Layer]:
+    """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it. `quantized`: its
+    linears, the LM head's too, are `cpu_linear.Int8Linear` or `Int4Linear`, which only the streamed kernel runs."""
     check_cpu_fp32(target)
-    if int8 and cpu_linear.streamed_kernel() is None:
-        raise Unsupported("int8 linear layers without the streamed kernel, which could not be built here")
+    if quantized and cpu_linear.streamed_kernel() is None:
+        raise Unsupported("quantized linear layers without the streamed kernel, which could not be built here")
     inner = getattr(target, "model", None)
     layers = getattr(inner, "layers", None)
     if layers is None or not all(hasattr(inner, a) for a in ("embed_tokens", "norm", "rotary_emb")):
@@ -166,11 +175,12 @@ def _read(target, int8: bool = False) -> list[Layer]:
         raise Unsupported(f"activation {getattr(config, 'hidden_act', None)!r} (SiLU only)")
     if set(getattr(config, "layer_types", None) or ["full_attention"]) - {"full_attention"}:
         raise Unsupported("layers of several attention types")
-    if not readable_linear(target.get_output_embeddings(), int8):
-        raise Unsupported("an LM head other than int8 rows" if int8 else "a non-standard embedding or lm_head")
+    if not readable_linear(target.get_output_embeddings(), quantized):
+        raise Unsupported("an LM head other than an int8 or 4-bit one" if quantized
+                          else "a non-standard embedding or lm_head")
     if getattr(inner, "embed_scale", None) is not None:
         raise Unsupported("a non-standard embedding or lm_head")
-    return [read_layer(layer, int8) for layer in layers]
+    return [read_layer(layer, quantized) for layer in layers]
 
 
 def reason_not_to_run(read, model) -> str | None:
@@ -208,8 +218,8 @@ class LeanLayers:
 
     def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None):
         self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
-        int8 = any(m.int8 for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or int8 else None
+        quantized = any(m.quantized for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or quantized else None
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         self.native = [] if self.kernel is None else [
             tuple(m.native(self.kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in layers]
@@ -286,11 +296,11 @@ class LeanLayers:
                                           stream)
 
     def _streamed(self, rows: int, *linears: Linears) -> bool:
-        """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears` (int8 ones
-        always do: nothing else here runs them)."""
+        """Whether a block of `rows` rows goes through the streamed kernel for every one of `linears` (quantized
+        ones always do: nothing else here runs them)."""
         if self.kernel is None:
             return False
-        return all(m.int8 for m in linears) or (1 < rows <= self.stream_rows and all(m.streamable for m in linears))
+        return all(m.quantized for m in linears) or (1 < rows <= self.stream_rows and all(m.streamable for m in linears))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
@@ -303,7 +313,7 @@ class LeanLayers:
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
         if self._streamed(rows, linears):
-            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases, linears.scales)
+            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases, linears.scales, linears.lows)
         else:
             if rows > 1 and self.packed is not None and cpu_linear.available():
                 parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(w), bias, "none", [], "")
@@ -324,16 +334,17 @@ class LeanForward(LeanLayers):
     not copies): make a new one when the model may have changed, as the engine does at every call."""
 
     def __init__(self, target, stream_rows: int, packed: cpu_linear.PackCache | None, argmax_only: bool = False,
-                 int8: bool = False):
+                 quantized: bool = False):
         """`argmax_only`: the caller reads nothing but each node's argmax (the engine's greedy verify), so the
         logits come from `infer.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
         where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
-        runs. `int8`: the model's linears, its LM head's too, are `cpu_linear.Int8Linear` (the `int8`
-        self-drafter's copy of the target), run on the kernel's int8 rows at any block size."""
-        if int8 and argmax_only:
-            raise ValueError("argmax_only reads an int8 copy of an fp32 LM head; an int8 model's head is one already")
-        super().__init__(self.read_or_refuse(lambda m: _read(m, int8), target,
-                                            "int8 model" if int8 else "target"), stream_rows, packed)
+        runs. `quantized`: the model's linears, its LM head's too, are `cpu_linear.Int8Linear` or `Int4Linear` (the
+        `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size."""
+        if quantized and argmax_only:
+            raise ValueError("argmax_only reads an int8 copy of an fp32 LM head; a quantized model's head is one "
+                             "already")
+        super().__init__(self.read_or_refuse(lambda m: _read(m, quantized), target,
+                                            "quantized model" if quantized else "target"), stream_rows, packed)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)

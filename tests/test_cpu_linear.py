@@ -81,7 +81,7 @@ def _kernel():
     return kernel
 
 
-@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 13])
+@pytest.mark.parametrize("rows", [2, 3, 4, 5, 8, 9, 13, 14, 16])  # 9-14: one pass of wide tiles
 @pytest.mark.parametrize("shape", [(48, 80, True), (37, 18, False), (64, 3, True)])  # in, out (tails), bias
 def test_streamed_rows_match_plain_linear(rows, shape):
     _kernel()
@@ -201,7 +201,7 @@ def test_int8_rows_match_their_dequantized_weights():
     torch.manual_seed(0)
     q = torch.randint(-127, 128, (37, 50), dtype=torch.int8)  # 37 rows: 9 blocks of 4 and one left over
     scale = torch.rand(37) * 0.01
-    for rows in (1, 2, 3, 4, 5, 9):
+    for rows in (1, 2, 3, 4, 5, 9, 14):
         x = torch.randn(rows, 50)
         torch.testing.assert_close(kernel.int8_rows_linear(x, q, scale), x @ (q.float() * scale[:, None]).T,
                                    rtol=1e-5, atol=1e-5)
@@ -224,13 +224,13 @@ def test_int8_and_fp32_weights_side_by_side_in_one_pass():
     x = torch.randn(2, 40)
     with pytest.raises(RuntimeError, match="an int8 weight of 13 rows needs a scale"):
         kernel.few_rows_linear_cat(x, [q], [None])
-    with pytest.raises(RuntimeError, match="a scale is given for a float32 weight"):
+    with pytest.raises(RuntimeError, match="a scale or low is given for a float32 weight"):
         kernel.few_rows_linear_cat(x, [fp32], [None], [scale])
     with pytest.raises(RuntimeError, match="needs a scale \\[13\\]"):
         kernel.few_rows_linear_cat(x, [q], [None], [scale[:5]])
     with pytest.raises(RuntimeError, match="one scale \\(or None\\) per weight"):
         kernel.few_rows_linear_cat(x, [fp32, q], [None, None], [scale])
-    with pytest.raises(RuntimeError, match="float32 or int8 contiguous weights only"):
+    with pytest.raises(RuntimeError, match="float32, int8 or 4-bit \\(uint8\\) weights only"):
         kernel.few_rows_linear_cat(x, [fp32.double()], [None])
 
 
@@ -254,3 +254,106 @@ def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kern
     torch.testing.assert_close(got.double(), exact(many), rtol=0.05, atol=0.1)
     half = layer(few.to(torch.bfloat16))  # bf16 input: torch's kernel, bf16 out
     assert half.dtype == torch.bfloat16 and half.shape == (2, 3, 40)
+
+
+# ------------------------------------------------------------------ weights in groups (the int4 self-drafter's)
+def _gguf_grids(out_features: int, in_features: int):
+    """A weight on GGUF's Q4_1 grid (each group of 32 inputs: q * d + m, q in 0..15, d and m fp16) and one on
+    Q8_0's (q * d, q in -127..127), dequantized to fp32 as transformers does."""
+    groups = (out_features, in_features // 32)
+    d, m = torch.rand(*groups).add(0.01).half().float(), torch.randn(*groups).mul(0.1).half().float()
+    q4 = torch.randint(0, 16, (*groups, 32)).float()
+    q4[..., 0], q4[..., 1] = 0, 15  # as GGUF's quantizer finds them: the group's min and max are on the grid
+    q8 = torch.randint(-127, 128, (*groups, 32)).float()
+    q8[..., 0] = 127
+    return ((q4 * d[..., None] + m[..., None]).reshape(out_features, in_features),
+            (q8 * d[..., None]).reshape(out_features, in_features))
+
+
+def test_groups_hold_a_gguf_grid_exactly_and_other_weights_within_half_a_step():
+    q4_1, q8_0 = _gguf_grids(37, 96)
+    q, scale, low = cpu_linear.int4_groups(q4_1)
+    assert q.dtype == torch.uint8 and q.shape == (37, 48) and scale.shape == low.shape == (37, 3)
+    assert torch.equal(cpu_linear.int4_weight(q, scale, low), q4_1)
+    q, scale = cpu_linear.int8_groups(q8_0)
+    assert torch.equal((q.float().view(37, 3, 32) * scale[..., None]).view(37, 96), q8_0)
+    other = torch.randn(37, 96)
+    q, scale, low = cpu_linear.int4_groups(other)
+    error = (cpu_linear.int4_weight(q, scale, low) - other).abs().view(37, 3, 32)
+    assert (error <= scale[..., None] / 2 * (1 + 1e-5)).all()
+
+
+def _builds():
+    """The native build, and on an AVX-512 machine the AVX2 code built with -mno-avx512f as well."""
+    builds = [_kernel()]
+    if "avx512f" in cpu_linear._cpu_flags().split():
+        avx2 = cpu_linear.build_kernel(("-mno-avx512f",))
+        builds += [avx2] if avx2 is not None else []
+    return builds
+
+
+def test_grouped_weights_match_their_dequantized_weights_beside_fp32_and_int8_rows():
+    """4-bit groups (a scale and a low each) and int8 groups (a scale each) in one pass with fp32 weights and int8
+    rows, 1 to 20 input rows (several passes of 4), 37 output rows (9 blocks of 4 and one left over)."""
+    torch.manual_seed(0)
+    q4_1, q8_0 = _gguf_grids(37, 96)
+    q4, scale4, low4 = cpu_linear.int4_groups(q4_1)
+    q8, scale8 = cpu_linear.int8_groups(q8_0)
+    rows_q, rows_scale = cpu_linear.int8_rows(torch.randn(13, 96))
+    fp32, bias = torch.randn(11, 96), torch.randn(11)
+    for kernel in _builds():
+        for rows in (1, 3, 4, 5, 13, 20):
+            x = torch.randn(rows, 96)
+            got = kernel.few_rows_linear_cat(x, [q4, fp32, q8, rows_q], [None, bias, None, None],
+                                             [scale4, None, scale8, rows_scale], [low4, None, None, None])
+            expected = torch.cat([x @ q4_1.T, x @ fp32.T + bias, x @ q8_0.T,
+                                  x @ (rows_q.float() * rows_scale[:, None]).T], dim=-1)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)  # sums of ~1,000: float rounding
+
+
+def test_grouped_weights_are_refused_by_name_when_malformed():
+    kernel = _kernel()
+    q4, scale, low = cpu_linear.int4_groups(torch.randn(8, 64))
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="a 4-bit weight of 8 rows needs a scale and a low \\[8, 2\\]"):
+        kernel.few_rows_linear_cat(x, [q4], [None], [scale], [None])
+    with pytest.raises(RuntimeError, match="a 4-bit weight of 8 rows needs a scale and a low \\[8, 2\\]"):
+        kernel.few_rows_linear_cat(x, [q4], [None], [scale[:, :1].contiguous()], [low])
+    with pytest.raises(RuntimeError, match="a 4-bit weight \\[N, K / 2\\] of uint8 with K = 40 a multiple of 32"):
+        kernel.few_rows_linear_cat(torch.randn(2, 40), [torch.zeros(8, 20, dtype=torch.uint8)], [None],
+                                   [torch.zeros(8, 1)], [torch.zeros(8, 1)])
+    with pytest.raises(RuntimeError, match="a low is given for int8 rows"):
+        kernel.few_rows_linear_cat(x, [torch.zeros(8, 64, dtype=torch.int8)], [None], [torch.ones(8)], [low])
+    with pytest.raises(RuntimeError, match="one a group of 32 inputs \\(K a multiple of 32\\)"):
+        kernel.few_rows_linear_cat(torch.randn(2, 40), [torch.zeros(8, 40, dtype=torch.int8)], [None],
+                                   [torch.ones(8, 1)])
+    with pytest.raises(RuntimeError, match="one low \\(or None\\) per weight"):
+        kernel.few_rows_linear_cat(x, [q4], [None], [scale], [low, low])
+
+
+@pytest.mark.parametrize("layer_of", [lambda w, b: cpu_linear.Int4Linear(w, b),
+                                      lambda w, b: cpu_linear.Int8Linear(w, b, group=True)], ids=["int4", "int8-groups"])
+def test_grouped_linears_run_fp32_rows_on_the_kernel_and_others_on_their_fp32_weight(layer_of):
+    kernel = _kernel()
+    torch.manual_seed(0)
+    weight, bias = torch.randn(40, 64), torch.randn(40)
+    layer = layer_of(weight, bias)
+    held = layer.weight_fp32()
+    torch.testing.assert_close(held, weight, rtol=0, atol=0.3)  # 4 bits of randn: half a step is up to ~0.25
+    few = torch.randn(2, 3, 64)  # 6 rows: the kernel
+    lows = [layer.low] if isinstance(layer, cpu_linear.Int4Linear) else []
+    on_kernel = kernel.few_rows_linear_cat(few.reshape(6, 64), [layer.q], [None], [layer.scale], lows)
+    assert torch.equal(layer(few), on_kernel.view(2, 3, 40) + bias)
+    torch.testing.assert_close(layer(few), few @ held.T + bias, rtol=1e-5, atol=1e-5)
+    many = torch.randn(layer.KERNEL_ROWS + 1, 64)  # the fp32 weight it holds, made for the call
+    assert torch.equal(layer(many), torch.nn.functional.linear(many, held) + bias)
+    half = layer(few.to(torch.bfloat16))
+    assert half.dtype == torch.bfloat16 and half.shape == (2, 3, 40)
+
+
+def test_grouped_linears_need_inputs_in_groups():
+    with pytest.raises(ValueError, match="int4 needs in_features divisible by 32; got \\(8, 40\\)"):
+        cpu_linear.Int4Linear(torch.randn(8, 40))
+    with pytest.raises(ValueError, match="int8 groups need in_features divisible by 32; got \\(8, 40\\)"):
+        cpu_linear.Int8Linear(torch.randn(8, 40), group=True)
+    assert cpu_linear.Int8Linear(torch.randn(8, 40)).scale.shape == (8,)  # rows: any width

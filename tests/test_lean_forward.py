@@ -531,59 +531,98 @@ def test_a_half_precision_drafter_on_cpu_is_warned_about():
         model.generate(IDS, max_new_tokens=4)
 
 
-# ------------------------------------------------------------------------------------ the int8 self-drafter
-def _dequantized(target):
-    """The target with each linear weight (the LM head's too, untied from the embedding) replaced by what the
-    `int8` drafter's `Int8Linear` holds, as fp32: the function an int8 lean forward computes, up to rounding."""
+# --------------------------------------------------------------------------- the int8 and int4 self-drafters
+def _held(target, draft):
+    """The target with each linear weight (the LM head's too, untied from the embedding) replaced by the fp32
+    weight its quantized copy in `draft` holds: the function a lean forward of the draft computes, up to rounding."""
     reference = copy.deepcopy(target)
+    quantized = {name: m for name, m in draft.named_modules() if isinstance(m, lean_forward.QUANTIZED)}
+    assert quantized and all(type(m) is not nn.Linear for m in draft.modules())  # every linear is quantized
     with torch.no_grad():
-        for linear in [m for m in reference.modules() if type(m) is nn.Linear]:
-            q, scale = cpu_linear.int8_rows(linear.weight.detach().float())
-            linear.weight = nn.Parameter(q.float() * scale[:, None])
+        for name, module in quantized.items():
+            reference.get_submodule(name).weight = nn.Parameter(module.weight_fp32())
     return reference
 
 
-@pytest.mark.parametrize("rows", [4, 24], ids=["few-rows", "more-than-int8-linear-kernel-rows"])
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize("rows", [4, 24], ids=["few-rows", "more-than-the-linears-kernel-rows"])
 @pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
-def test_int8_lean_forward_computes_the_int8_models_function(arch, rows, monkeypatch):
-    """The `int8` drafter's copy of the target run lean: every layer one kernel call over int8 rows, at any
-    block size (the model's own forward runs blocks of more than 16 rows on torch's int8 kernel with bf16
-    activations), and the same logits, hidden states and K/V as its weights would give in fp32."""
+def test_quantized_lean_forward_computes_the_quantized_models_function(arch, rows, kind, monkeypatch):
+    """The `int8` and `int4` drafters' copies of the target run lean: every layer one kernel call over int8 rows
+    or 4-bit groups, at any block size (the modules run blocks of more than 16 rows on torch's int8 kernel with bf16
+    activations or the fp32 weight), and the same logits, hidden states and K/V as their weights would give in
+    fp32."""
     _kernel()
     whole_layers = _spy_whole_layers(monkeypatch)
     target = _lean_target(arch)
-    draft = self_draft.int8("", target).model
-    assert all(type(m) is not nn.Linear for m in draft.modules())  # every linear is int8 rows
-    lean = lean_forward.LeanForward(draft, 0, None, int8=True)
+    draft = getattr(self_draft, kind)("", target).model
+    if kind == "int4":  # 4-bit groups in the layers, int8 groups in the head
+        assert all(type(m) is cpu_linear.Int4Linear for m in draft.model.layers.modules() if hasattr(m, "q"))
+        assert draft.get_output_embeddings().group
+    lean = lean_forward.LeanForward(draft, 0, None, quantized=True)
     block = torch.arange(rows).remainder(90).add(2).view(2, rows // 2)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
-    _assert_same_forward(_dequantized(target), lean, block, depth, ancestors, valid)
+    _assert_same_forward(_held(target, draft), lean, block, depth, ancestors, valid)
     assert len(whole_layers) == target.config.num_hidden_layers
 
 
-def test_the_int8_drafter_drafts_lean_and_stays_exact(monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_the_quantized_drafters_draft_lean_and_stay_exact(kind, monkeypatch):
     _kernel()
     target = tiny_model("llama")
     expected = target.generate(IDS, max_new_tokens=30, do_sample=False)
     whole_layers = _spy_whole_layers(monkeypatch)
-    model = SelfSpecModel(target, "int8")
+    model = SelfSpecModel(target, kind)
     assert torch.equal(model.generate(IDS, max_new_tokens=30), expected)
     assert isinstance(model.drafter.lean, lean_forward.LeanForward) and model.drafter.lean.target is model.drafter.model
     # the drafter's lean forward's layers (the target's own verify makes the others): two draft forwards at least
     assert sum(lean is model.drafter.lean for lean in whole_layers) >= 2 * target.config.num_hidden_layers
     # the drafter's own forward where the lean one cannot run it: a GPT-2 target, drafting through its modules
     gpt2 = tiny_model("gpt2")
-    model = SelfSpecModel(gpt2, "int8")
+    model = SelfSpecModel(gpt2, kind)
     assert torch.equal(model.generate(IDS, max_new_tokens=20), gpt2.generate(IDS, max_new_tokens=20, do_sample=False))
     assert model.drafter.lean is None
+
+
+def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
+    """A target whose weights are on GGUF's grids (Q4_1 layers, a Q8_0 head, as the embedded SmolLM2's are) is held
+    again exactly by the `int4` drafter, so its drafts are the target's greedy tokens but for float rounding."""
+    _kernel()
+    target = tiny_model("llama")
+    with torch.no_grad():
+        for module in [m for m in target.modules() if type(m) is nn.Linear]:
+            groups = module.weight.view(module.out_features, -1, 32)  # GGUF's blocks: fp16 scales and offsets
+            if module is target.get_output_embeddings():  # Q8_0
+                scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+                groups.copy_((groups / scale).round().clamp(-127, 127) * scale)
+            else:  # Q4_1
+                low = groups.amin(-1, keepdim=True).half().float()
+                scale = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
+                groups.copy_(((groups - low) / scale).round().clamp(0, 15) * scale + low)
+    draft = self_draft.int4("", target).model
+    for name, module in draft.named_modules():
+        if isinstance(module, lean_forward.QUANTIZED):
+            assert torch.equal(module.weight_fp32(), target.get_submodule(name).weight)
+    model = SelfSpecModel(target, "int4")
+    steps = []  # per verify step: the chain's nodes (its root and drafts), and how many the target accepted
+    model.step_observer = lambda tree, acceptance, budget: steps.append((tree.tokens.shape[1], int(acceptance.length)))
+    expected = target.generate(IDS, max_new_tokens=40, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=40), expected)
+    assert steps and all(accepted == nodes for nodes, accepted in steps), steps  # every draft was the target's
+    model = SelfSpecModel(target, "int8")  # int8 rows are not GGUF's grid: some of its drafts are not
+    model.step_observer = lambda tree, acceptance, budget: steps.append((tree.tokens.shape[1], int(acceptance.length)))
+    steps.clear()
+    assert torch.equal(model.generate(IDS, max_new_tokens=40), expected)
+    assert any(accepted < nodes for nodes, accepted in steps), steps
 
 
 def test_an_int8_lean_forward_refuses_what_it_cannot_run():
     _kernel()
     target = tiny_model("llama")
-    with pytest.raises(lean_forward.Unsupported, match="cannot run this int8 model: an LM head other than int8 rows"):
-        lean_forward.LeanForward(target, 0, None, int8=True)  # fp32 linears where int8 rows were promised
+    with pytest.raises(lean_forward.Unsupported,
+                       match="cannot run this quantized model: an LM head other than an int8 or 4-bit one"):
+        lean_forward.LeanForward(target, 0, None, quantized=True)  # fp32 linears where quantized ones were promised
     with pytest.raises(lean_forward.Unsupported, match="cannot run this target: a non-standard embedding or lm_head"):
         lean_forward.LeanForward(self_draft.int8("", target).model, 16, cpu_linear.PackCache())
     with pytest.raises(ValueError, match="argmax_only"):
-        lean_forward.LeanForward(self_draft.int8("", target).model, 0, None, argmax_only=True, int8=True)
+        lean_forward.LeanForward(self_draft.int8("", target).model, 0, None, argmax_only=True, quantized=True)

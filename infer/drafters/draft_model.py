@@ -23,22 +23,22 @@ class DraftModelDrafter(Drafter):
     stops drafting where one more token no longer pays (`AdaptiveLength`); otherwise every row drafts
     `num_tokens`.
 
-    `lean_int8`: the model's linears are all `infer.cpu_linear.Int8Linear` (the `int8` self-drafter's copy of the
-    target), and its forwards run as `infer.lean_forward.LeanForward` computes them, one kernel call a layer,
-    where that can run the model (a Llama-layout model, the kernel built); elsewhere its own forward runs.
-    Transformers' modules around the int8 matmuls cost more than the matmuls do on a 2-core CPU
-    (docs/benchmarks.md).
+    `lean_quantized`: the model's linears are all `infer.cpu_linear.Int8Linear` or `Int4Linear` (the `int8` and
+    `int4` self-drafters' copies of the target), and its forwards run as `infer.lean_forward.LeanForward` computes
+    them, one kernel call a layer, where that can run the model (a Llama-layout model, the kernel built);
+    elsewhere its own forward runs. Transformers' modules around the quantized matmuls cost more than the matmuls
+    do on a 2-core CPU (docs/benchmarks.md).
 
     `prompt_kv_from_target`: the model's decoder layers are the target's first layers or copies of them (the
     self-drafters: a lower-precision copy, or its first k layers), so their K/V for the prompt are the target's,
     exactly or to the copy's rounding; the prefill copies them from the target's cache instead of running the
     model over the prompt. Only the drafts can change, never the output."""
 
-    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False, lean_int8: bool = False,
+    def __init__(self, model, num_tokens: int = 4, adaptive: bool = False, lean_quantized: bool = False,
                  prompt_kv_from_target: bool = False):
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
-        self.model, self.num_tokens, self.lean_int8 = model.eval(), num_tokens, lean_int8
+        self.model, self.num_tokens, self.lean_quantized = model.eval(), num_tokens, lean_quantized
         self.prompt_kv_from_target = prompt_kv_from_target
         self.decode = None  # the compiled one-token forward, once compile_forwards() is called
         self.compiled_rows: set[int] = set()  # batch sizes it has compiled a graph for
@@ -186,11 +186,11 @@ class DraftModelDrafter(Drafter):
         return chain_tree(self.roots, torch.stack(drafts, 1), lengths.to(self.roots.device), q)
 
     def _lean_forward(self) -> LeanForward | None:
-        """This generation's lean forward of the int8 model, or None where its own forward runs every block."""
-        if not self.lean_int8 or self.decode is not None:
+        """This generation's lean forward of the quantized model, or None where its own forward runs every block."""
+        if not self.lean_quantized or self.decode is not None:
             return None
         with contextlib.suppress(Unsupported):
-            return LeanForward(self.model, 0, None, int8=True)  # int8 linears run on the kernel at any size
+            return LeanForward(self.model, 0, None, quantized=True)  # quantized linears: the kernel at any size
         return None
 
     def _runner(self):

@@ -10,9 +10,13 @@
   int8 rows: one kernel call a layer, fp32 activations at any block size); elsewhere a copy quantized by
   torchao.
 - `int4`: the target's own norms and embedding (shared, not copied) with every decoder-layer linear held
-  as 4-bit integers in groups of 32 (torch's CPU int4 kernel) and an int8 LM head. An eighth of fp32's
-  bytes per layer weight; CPU only. The LM head stays in 8 bits because it is the one weight whose
-  rounding moves the argmax most (SmolLM2: 91.7% agreement with an int4 head, 98.0% with int8).
+  as 4-bit integers in groups of 32 inputs with a scale and an offset each (`cpu_linear.Int4Linear`, GGUF's
+  Q4_1) and the LM head as int8 in groups of 32 (GGUF's Q8_0), run lean on the kernel with fp32 activations.
+  A target dequantized from such a GGUF, as the embedded SmolLM2 is, is held again exactly, so the drafts are
+  the target's own tokens but for float rounding (SmolLM2, 1,168 teacher-forced MT-bench tokens: 100%
+  agreement); from other weights, 4 bits are the copy's rounding. The LM head stays in 8 bits because it is the
+  one weight whose rounding moves the argmax most (SmolLM2: 91.7% agreement with an int4 head, 98.0% with
+  int8 rows). CPU only: about a fifth of fp32's bytes per layer weight, a quarter for the head.
 - `early_exit:<k>`: the target's first k decoder layers, its final norm and LM head (LayerSkip, Elhoushi
   et al. 2024; transformers' `assistant_early_exit`). No weights are copied: the shallow model is built
   on the meta device and takes the target's own tensors.
@@ -29,7 +33,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..cpu_linear import Int4Linear, Int8Linear, int4_fits
+from ..cpu_linear import GROUP, Int4Linear, Int8Linear, int4_fits
 from .draft_model import DraftModelDrafter
 
 MAX_TOKENS = 12
@@ -53,7 +57,7 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
     if _device(target).type == "cpu":  # Int8Linear: torchao's CPU path is slower than fp32 here
         return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
-                                 adaptive=True, lean_int8=True, prompt_kv_from_target=True)
+                                 adaptive=True, lean_quantized=True, prompt_kv_from_target=True)
     try:
         from torchao.quantization import Int8WeightOnlyConfig, quantize_
     except ImportError as err:
@@ -68,17 +72,20 @@ def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int4' takes no argument, got {arg!r}")
     if _device(target).type != "cpu":
-        raise ValueError(f"'int4' runs torch's CPU int4 kernel, but the target is on {_device(target)}; use "
+        raise ValueError(f"'int4' runs selfspec's CPU kernel, but the target is on {_device(target)}; use "
                          "'int8', 'bf16' or 'gguf' there")
 
     def layer(weight, bias, head):
-        return Int4Linear(weight, bias) if not head and int4_fits(weight) else Int8Linear(weight, bias)
+        if head:  # 4 bits move the argmax most: 8 bits in groups, GGUF's Q8_0, where the shape allows
+            return Int8Linear(weight, bias, group=int4_fits(weight))
+        return Int4Linear(weight, bias) if int4_fits(weight) else Int8Linear(weight, bias)
 
     draft = _low_bit(target, layer)
     if not any(isinstance(m, Int4Linear) for m in draft.modules()):
-        raise ValueError(f"no linear layer of {type(target).__name__} has a shape torch's CPU int4 kernel takes "
-                         "(out_features by 16, in_features by 32); use 'int8'")
-    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True, prompt_kv_from_target=True)
+        raise ValueError(f"no linear layer of {type(target).__name__} takes inputs in groups of {GROUP} (in_features "
+                         f"divisible by {GROUP}); use 'int8'")
+    return DraftModelDrafter(draft, num_tokens=MAX_TOKENS, adaptive=True, lean_quantized=True,
+                             prompt_kv_from_target=True)
 
 
 def _device(model) -> torch.device:

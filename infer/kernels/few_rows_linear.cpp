@@ -22,7 +22,9 @@
 // They serve the lean verify forward (infer/lean_forward.py). Any weight may be held as int8 rows with one
 // fp32 scale a row (widened to fp32 as it is loaded: a quarter of the bytes to stream), which is how the `int8`
 // self-drafter's lean forward runs; `int8_rows_linear` is one such weight alone, and `argmax_logits` uses it to
-// score only the tokens that could be a row's argmax (infer/argmax_head.py).
+// score only the tokens that could be a row's argmax (infer/argmax_head.py). Or in groups of 32 inputs with a
+// scale each: int8 (GGUF's Q8_0), or 4-bit with an offset too (GGUF's Q4_1), which is how the `int4`
+// self-drafter's lean forward runs; the products and sums stay fp32 in every format.
 
 #include <torch/extension.h>
 
@@ -31,9 +33,11 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -47,6 +51,12 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int64_t kWeightRows = 4;   // weight rows streamed together
 constexpr int64_t kInputRows = 4;    // input rows per pass
+// 9 to 14 input rows go against two weight rows at a time, all in one pass (2 x 14 accumulators + 2 weight vectors +
+// 1 input vector = 31 registers), so each weight row streams from memory once while all its products are computed,
+// instead of 3-4 passes of 4 x 4 tiles over weight rows in L1. SmolLM2's linears, 2-core Xeon, alternating builds,
+// median of 16: 10 rows 24.3 -> 22.3 ms, 13 rows 27.3 -> 24.1 ms; at 5-8 and 16 rows the 4 x 4 passes were as fast
+// or 2-4% faster, so they stay there.
+constexpr int64_t kWideInputRows = 14;
 #else
 constexpr int64_t kLanes = 8;
 constexpr int64_t kWeightRows = 4;
@@ -141,76 +151,284 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
   }
 }
 
-// Weight rows [n, n + B) against all M input rows, kInputRows at a time.
-template <int B, typename T = float>
-void weight_rows(const float* x, const T* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n,
+// Weights quantized in groups of kGroup consecutive inputs of a row, each group with its own fp32 scale (and
+// offset): w = q * scale + low. Int4Groups: q in 0..15, two a byte ([N, K / 2] bytes: byte j of a group holds its
+// input j in the low nibble and input j + 16 in the high one, GGUF's Q4_1 layout), scale and low [N, K / kGroup];
+// Int8Groups: q in -127..127 ([N, K]), scale [N, K / kGroup], no offset (GGUF's Q8_0). A target dequantized from
+// such a file is held again exactly: its weights are q * scale + low for the q, scale and low found here
+// (infer/cpu_linear.py), so these rows compute the target's own products from a fifth (4-bit) or a quarter
+// (8-bit) of its fp32 bytes.
+constexpr int64_t kGroup = 32;
+constexpr int kGroupVectors = kGroup / kLanes;
+struct Int4Groups {
+  const uint8_t* q;
+  const float* scale;
+  const float* low;
+  const float* input_sums;  // [M, K / kGroup]: each input row's sum over each group (offsets_times_sums)
+};
+struct Int8Groups {
+  const int8_t* q;
+  const float* scale;
+};
+
+// One weight row of grouped weights: its q, scales (and offsets), from which groups are read.
+struct Int4Row {
+  const uint8_t* q;
+  const float* scale;
+  const float* low;
+};
+struct Int8Row {
+  const int8_t* q;
+  const float* scale;
+};
+inline Int4Row row_of(const Int4Groups& w, int64_t row, int64_t K) {
+  return {w.q + row * (K / 2), w.scale + row * (K / kGroup), w.low + row * (K / kGroup)};
+}
+inline Int8Row row_of(const Int8Groups& w, int64_t row, int64_t K) {
+  return {w.q + row * K, w.scale + row * (K / kGroup)};
+}
+
+// Group g of a row's q as fp32 vectors.
+struct GroupVectors {
+  vec v[kGroupVectors];
+};
+
+inline GroupVectors load_group(const Int4Row& row, int64_t g) {
+  const uint8_t* q = row.q + g * (kGroup / 2);
+  // each byte widened to a 32-bit lane; its low nibble (input j) and high nibble (input j + 16) as floats are then
+  // lookups in the table 0, 1, ..., 15 (a permute reads only an index's low 4 bits): four instructions for the two
+  // vectors, where splitting the nibbles first and widening each half took seven
+  GroupVectors out;
+#if defined(__AVX512F__)
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+  const __m512 table = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  out.v[0] = std::bit_cast<vec>(_mm512_permutexvar_ps(bytes, table));
+  out.v[1] = std::bit_cast<vec>(_mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table));
+#else
+  for (int half = 0; half < 2; ++half) {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + 8 * half)));
+    out.v[half] = std::bit_cast<vec>(_mm256_cvtepi32_ps(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F))));
+    out.v[2 + half] = std::bit_cast<vec>(_mm256_cvtepi32_ps(_mm256_srli_epi32(bytes, 4)));
+  }
+#endif
+  return out;
+}
+
+inline GroupVectors load_group(const Int8Row& row, int64_t g) {
+  GroupVectors out;
+  for (int v = 0; v < kGroupVectors; ++v) out.v[v] = load_lanes(row.q + g * kGroup + v * kLanes);
+  return out;
+}
+
+// Prefetches into L1 and into L2, as volatile asm: GCC 12's dead-code elimination dropped every __builtin_prefetch
+// of the grouped tiles below (whose addresses are read nowhere else in the loop), which left their streams to the
+// hardware prefetcher alone.
+inline void prefetch_l1(const void* p) { asm volatile("prefetcht0 %0" : : "m"(*static_cast<const char*>(p))); }
+inline void prefetch_l2(const void* p) { asm volatile("prefetcht2 %0" : : "m"(*static_cast<const char*>(p))); }
+
+// Prefetches of what a row reads further on, issued at group g: once per 64-byte line of q, every 16 groups for
+// the scales (and offsets).
+inline void prefetch_group(const Int4Row& row, int64_t g) {
+  if (g % 4 == 0) {
+    prefetch_l1(row.q + g * (kGroup / 2) + kPrefetch * sizeof(float));
+    prefetch_l2(row.q + g * (kGroup / 2) + kPrefetchL2 * sizeof(float));
+  }
+  if (g % 16 == 0) {
+    prefetch_l2(row.scale + g + kPrefetchL2 / 2);
+    prefetch_l2(row.low + g + kPrefetchL2 / 2);
+  }
+}
+
+inline void prefetch_group(const Int8Row& row, int64_t g) {
+  if (g % 2 == 0) {
+    prefetch_l1(row.q + g * kGroup + kPrefetch * sizeof(float));
+    prefetch_l2(row.q + g * kGroup + kPrefetchL2 * sizeof(float));
+  }
+  if (g % 16 == 0) prefetch_l2(row.scale + g + kPrefetchL2 / 4);
+}
+
+// sum_g a[g] * b[g] over G groups
+inline float dot(const float* a, const float* b, int64_t G) {
+  vec acc = {};
+  int64_t g = 0;
+  for (; g + kLanes <= G; g += kLanes) acc += load_lanes(a + g) * load_lanes(b + g);
+  float sum = sum_lanes(acc);
+  for (; g < G; ++g) sum += a[g] * b[g];
+  return sum;
+}
+
+// What a group's offsets add to input row r's output for weight row `row`: sum_g low[g] * (row r's sum over
+// group g), since x . (q * scale + low) = sum_g scale[g] * (x . q)_g + low[g] * sum(x)_g.
+inline float offsets_times_sums(const Int4Groups& w, const Int4Row& row, int64_t r, int64_t K) {
+  return dot(row.low, w.input_sums + r * (K / kGroup), K / kGroup);
+}
+inline float offsets_times_sums(const Int8Groups&, const Int8Row&, int64_t, int64_t) { return 0.0f; }
+
+// The weights as a pass over input rows m onwards reads them (4-bit groups' input sums start at row m).
+template <typename W>
+inline W from_input_row(const W& w, int64_t, int64_t) { return w; }
+inline Int4Groups from_input_row(const Int4Groups& w, int64_t m, int64_t K) {
+  return {w.q, w.scale, w.low, w.input_sums + m * (K / kGroup)};
+}
+
+// tile() for grouped weights: y[r, n + b] = x[r, :] . (q * scale + low)[n + b, :], as sum_g scale[g] * (x . q)_g
+// plus the offsets' part (offsets_times_sums): each group's q is widened to fp32 once for all R input rows. K is a
+// multiple of kGroup (check_weight).
+template <int B, int R, typename W, typename = std::enable_if_t<!std::is_pointer_v<W>>>
+inline void tile(const float* x, const W& w, const float*, float* y, int64_t K, int64_t ldy, int64_t n) {
+  vec acc[B][R] = {};
+  decltype(row_of(w, 0, K)) rows[B];
+  for (int b = 0; b < B; ++b) rows[b] = row_of(w, n + b, K);
+  for (int64_t g = 0; g < K / kGroup; ++g) {
+    GroupVectors qv[B];
+#pragma GCC unroll 4
+    for (int b = 0; b < B; ++b) {
+      prefetch_group(rows[b], g);
+      qv[b] = load_group(rows[b], g);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const float* xg = x + r * K + g * kGroup;
+#pragma GCC unroll 4
+      for (int b = 0; b < B; ++b) {
+        vec products = qv[b].v[0] * load_lanes(xg);
+#pragma GCC unroll 4
+        for (int v = 1; v < kGroupVectors; ++v) products += qv[b].v[v] * load_lanes(xg + v * kLanes);
+        acc[b][r] += products * rows[b].scale[g];
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) y[r * ldy + n + b] = sum_lanes(acc[b][r]) + offsets_times_sums(w, rows[b], r, K);
+}
+
+#if defined(__AVX512F__)
+// Weight rows [n, n + B) against R input rows in one pass, 8 < R <= kWideInputRows.
+template <int B, typename W>
+void wide_tile(const float* x, const W& w, const float* scale, float* y, int64_t K, int64_t ldy, int64_t n,
+               int64_t R) {
+  switch (R) {
+    case 9: tile<B, 9>(x, w, scale, y, K, ldy, n); break;
+    case 10: tile<B, 10>(x, w, scale, y, K, ldy, n); break;
+    case 11: tile<B, 11>(x, w, scale, y, K, ldy, n); break;
+    case 12: tile<B, 12>(x, w, scale, y, K, ldy, n); break;
+    case 13: tile<B, 13>(x, w, scale, y, K, ldy, n); break;
+    default: tile<B, 14>(x, w, scale, y, K, ldy, n); break;
+  }
+}
+#endif
+
+// Weight rows [n, n + B) against all M input rows, kInputRows at a time; on AVX-512, 9 to kWideInputRows input rows
+// go two weight rows at a time against all of them in one pass (see kWideInputRows).
+template <int B, typename W>
+void weight_rows(const float* x, const W& w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n,
                  const float* scale = nullptr) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_pointer_v<W>) {  // fp32 or int8 rows (grouped weights' registers do not leave room)
+    if (2 * kInputRows < M && M <= kWideInputRows) {
+      constexpr int pair = B == 1 ? 1 : 2;
+      static_assert(B % pair == 0, "weight rows go in pairs");
+      for (int b = 0; b < B; b += pair) wide_tile<pair>(x, w, scale, y, K, ldy, n + b, M);
+      return;
+    }
+  }
+#endif
   for (int64_t m = 0; m < M; m += kInputRows) {
     const float* xm = x + m * K;
     float* ym = y + m * ldy;
+    const W wm = from_input_row(w, m, K);
     switch (std::min(kInputRows, M - m)) {
-      case 1: tile<B, 1>(xm, w, scale, ym, K, ldy, n); break;
-      case 2: tile<B, 2>(xm, w, scale, ym, K, ldy, n); break;
-      case 3: tile<B, 3>(xm, w, scale, ym, K, ldy, n); break;
-      default: tile<B, 4>(xm, w, scale, ym, K, ldy, n); break;
+      case 1: tile<B, 1>(xm, wm, scale, ym, K, ldy, n); break;
+      case 2: tile<B, 2>(xm, wm, scale, ym, K, ldy, n); break;
+      case 3: tile<B, 3>(xm, wm, scale, ym, K, ldy, n); break;
+      default: tile<B, 4>(xm, wm, scale, ym, K, ldy, n); break;
     }
   }
 }
 
 // Work item `item` of a weight with N rows, against all M input rows: its blocks of kWeightRows rows come first,
 // then the rows left over, one item each (so N / kWeightRows + N % kWeightRows items in all).
-template <typename T>
-inline void weight_item(const float* x, const T* w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t N,
+template <typename W>
+inline void weight_item(const float* x, const W& w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t N,
                         int64_t item, const float* scale = nullptr) {
   const int64_t blocks = N / kWeightRows;
   if (item < blocks) weight_rows<kWeightRows>(x, w, y, M, K, ldy, item * kWeightRows, scale);
   else weight_rows<1>(x, w, y, M, K, ldy, blocks * kWeightRows + (item - blocks), scale);
 }
 
-// A weight [N, K] as few_rows_linear_cat reads it: fp32 contiguous without a scale, or int8 rows contiguous with
-// one fp32 scale a row [N].
-void check_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale, int64_t K,
-                  const char* name) {
-  TORCH_CHECK(weight.dim() == 2 && weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
-  TORCH_CHECK(weight.is_contiguous(), name, ": the weight must be contiguous");
-  const bool scaled = scale.has_value() && scale->defined();
-  if (weight.scalar_type() == torch::kChar) {
-    TORCH_CHECK(scaled && scale->dim() == 1 && scale->size(0) == weight.size(0) &&
-                    scale->scalar_type() == torch::kFloat && scale->is_contiguous(),
-                name, ": an int8 weight of ", weight.size(0), " rows needs a scale [", weight.size(0),
-                "] float32 contiguous, one a row");
-  } else {
-    TORCH_CHECK(weight.scalar_type() == torch::kFloat, name, ": float32 or int8 contiguous weights only, got ",
-                weight.scalar_type());
-    TORCH_CHECK(!scaled, name, ": a scale is given for a float32 weight (scales are for int8 rows)");
+// A weight [N, K] as few_rows_linear_cat reads it, and how: fp32 rows (no scale, no low); int8 rows with one fp32
+// scale a row [N]; int8 groups, a scale [N, K / kGroup]; 4-bit groups, uint8 [N, K / 2] with a scale and a low
+// [N, K / kGroup] each. Everything contiguous.
+enum class Format { kFloat, kInt8Rows, kInt8Groups, kInt4Groups };
+
+Format check_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale,
+                    const c10::optional<torch::Tensor>& low, int64_t K, const char* name) {
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), name, ": a contiguous 2-D weight expected");
+  const int64_t N = weight.size(0);
+  const bool scaled = scale.has_value() && scale->defined(), offset = low.has_value() && low->defined();
+  const auto fp32 = [&](const torch::Tensor& t, std::vector<int64_t> shape) {
+    return t.scalar_type() == torch::kFloat && t.is_contiguous() && t.sizes() == c10::IntArrayRef(shape);
+  };
+  const int64_t groups = K / kGroup;
+  switch (weight.scalar_type()) {
+    case torch::kFloat:
+      TORCH_CHECK(weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
+      TORCH_CHECK(!scaled && !offset, name, ": a scale or low is given for a float32 weight (they are for int rows)");
+      return Format::kFloat;
+    case torch::kChar:
+      TORCH_CHECK(weight.size(1) == K, name, ": int8 weight [N, K] expected, with K = ", K);
+      TORCH_CHECK(!offset, name, ": a low is given for int8 rows (it is for 4-bit groups)");
+      if (scaled && scale->dim() == 1) {
+        TORCH_CHECK(fp32(*scale, {N}), name, ": an int8 weight of ", N, " rows needs a scale [", N,
+                    "] float32 contiguous, one a row, or [", N, ", K / ", kGroup, "], one a group");
+        return Format::kInt8Rows;
+      }
+      TORCH_CHECK(scaled && K % kGroup == 0 && fp32(*scale, {N, groups}), name, ": an int8 weight of ", N,
+                  " rows needs a scale [", N, "] float32 contiguous, one a row, or [", N, ", ", K, " / ", kGroup,
+                  "], one a group of ", kGroup, " inputs (K a multiple of ", kGroup, ")");
+      return Format::kInt8Groups;
+    case torch::kByte:
+      TORCH_CHECK(K % kGroup == 0 && weight.size(1) == K / 2, name, ": a 4-bit weight [N, K / 2] of uint8 with K = ",
+                  K, " a multiple of ", kGroup, " expected");
+      TORCH_CHECK(scaled && offset && fp32(*scale, {N, groups}) && fp32(*low, {N, groups}), name,
+                  ": a 4-bit weight of ", N, " rows needs a scale and a low [", N, ", ", groups,
+                  "] float32 contiguous, one each a group of ", kGroup, " inputs");
+      return Format::kInt4Groups;
+    default:
+      TORCH_CHECK(false, name, ": float32, int8 or 4-bit (uint8) weights only, got ", weight.scalar_type());
   }
+  return Format::kFloat;
 }
 
 }  // namespace
 
-// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, or int8 rows with its scale [N_i] (fp32 products and
-// sums either way, the int8 weight widened as it is loaded: a quarter of fp32's bytes to stream); biases, scales:
-// one (or None) per weight, or empty. Returns [M, sum N_i]: the weights' outputs side by side, as if they were one
-// concatenated weight (the q/k/v or gate/up projections of a layer in one pass, without a concatenated copy).
+// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, int8 rows with its scale [N_i], or grouped (int8 with a
+// scale [N_i, K / 32], 4-bit with a scale and a low: check_weight); fp32 products and sums either way, the weight
+// dequantized as it is loaded (a quarter of fp32's bytes to stream for int8, about a fifth for 4-bit groups);
+// biases, scales, lows: one (or None) per weight, or empty. Returns [M, sum N_i]: the weights' outputs side by side,
+// as if they were one concatenated weight (the q/k/v or gate/up projections of a layer in one pass, without a
+// concatenated copy).
 torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<torch::Tensor>& weights,
                                   const std::vector<c10::optional<torch::Tensor>>& biases,
-                                  const std::vector<c10::optional<torch::Tensor>>& scales) {
+                                  const std::vector<c10::optional<torch::Tensor>>& scales,
+                                  const std::vector<c10::optional<torch::Tensor>>& lows) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "few_rows_linear: x [M, K] float32 expected");
   TORCH_CHECK(!weights.empty(), "few_rows_linear: no weight given");
   TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
   TORCH_CHECK(scales.empty() || scales.size() == weights.size(), "few_rows_linear: one scale (or None) per weight");
+  TORCH_CHECK(lows.empty() || lows.size() == weights.size(), "few_rows_linear: one low (or None) per weight");
   const torch::Tensor x = x_in.contiguous();
   const int64_t M = x.size(0), K = x.size(1);
   // Work items, numbered across the weights: each weight's blocks of kWeightRows rows, then its tail rows one
   // by one. first[i] is the number of weight i's first item, column[i] its first output column.
   const size_t count = weights.size();
   std::vector<int64_t> first(count + 1, 0), column(count, 0);
-  std::vector<const float*> scale(count, nullptr);
+  std::vector<Format> format(count);
   int64_t width = 0;
   for (size_t i = 0; i < count; ++i) {
     const c10::optional<torch::Tensor> none;
-    check_weight(weights[i], scales.empty() ? none : scales[i], K, "few_rows_linear");
-    if (weights[i].scalar_type() == torch::kChar) scale[i] = scales[i]->data_ptr<float>();
+    format[i] = check_weight(weights[i], scales.empty() ? none : scales[i], lows.empty() ? none : lows[i], K,
+                             "few_rows_linear");
     const int64_t N = weights[i].size(0);
     first[i + 1] = first[i] + N / kWeightRows + N % kWeightRows;
     column[i] = width;
@@ -219,6 +437,16 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
   torch::Tensor y = torch::empty({M, width}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  std::vector<float> input_sums;  // for 4-bit groups' offsets: each row's sum over each group of inputs
+  if (std::find(format.begin(), format.end(), Format::kInt4Groups) != format.end()) {
+    input_sums.resize(M * (K / kGroup));  // a loop here: ATen's sum was 3-5 us a call, ~0.5 ms a SmolLM2 forward
+    for (int64_t g = 0; g < M * (K / kGroup); ++g) {
+      vec sum = load_lanes(xp + g * kGroup);
+      for (int v = 1; v < kGroupVectors; ++v) sum += load_lanes(xp + g * kGroup + v * kLanes);
+      input_sums[g] = sum_lanes(sum);
+    }
+  }
+  const float* sums = input_sums.data();
   const int64_t items = first[count];
   const int64_t threads = at::get_num_threads();
   // one contiguous run of items per thread: each thread's stream of weight rows is sequential
@@ -226,11 +454,24 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
     size_t i = 0;
     for (int64_t j = begin; j < end; ++j) {
       while (j >= first[i + 1]) ++i;
-      const int64_t N = weights[i].size(0);
-      if (scale[i] != nullptr)
-        weight_item(xp, weights[i].data_ptr<int8_t>(), yp + column[i], M, K, width, N, j - first[i], scale[i]);
-      else
-        weight_item(xp, weights[i].data_ptr<float>(), yp + column[i], M, K, width, N, j - first[i]);
+      const int64_t N = weights[i].size(0), item = j - first[i];
+      float* out = yp + column[i];
+      switch (format[i]) {
+        case Format::kFloat:
+          weight_item(xp, weights[i].data_ptr<float>(), out, M, K, width, N, item);
+          break;
+        case Format::kInt8Rows:
+          weight_item(xp, weights[i].data_ptr<int8_t>(), out, M, K, width, N, item, scales[i]->data_ptr<float>());
+          break;
+        case Format::kInt8Groups:
+          weight_item(xp, Int8Groups{weights[i].data_ptr<int8_t>(), scales[i]->data_ptr<float>()}, out, M, K, width,
+                      N, item);
+          break;
+        case Format::kInt4Groups:
+          weight_item(xp, Int4Groups{weights[i].data_ptr<uint8_t>(), scales[i]->data_ptr<float>(),
+                                     lows[i]->data_ptr<float>(), sums}, out, M, K, width, N, item);
+          break;
+      }
     }
   });
   for (size_t i = 0; i < biases.size(); ++i) {
@@ -243,7 +484,7 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
 // x: [M, K] fp32, weight: [N, K] fp32 contiguous, bias: [N] or None -> [M, N]
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
-  return few_rows_linear_cat(x_in, {weight}, {bias}, {});
+  return few_rows_linear_cat(x_in, {weight}, {bias}, {}, {});
 }
 
 // y = (x @ q.T) * scale for a weight held as int8 rows q [N, K] with one fp32 scale a row [N]; x: [M, K] fp32.
@@ -251,7 +492,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& we
 // uses it to find the candidates for the target's greedy token.
 torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.scalar_type() == torch::kChar, "int8_rows_linear: q [N, K] int8 contiguous expected");
-  return few_rows_linear_cat(x_in, {q}, {}, {scale});
+  return few_rows_linear_cat(x_in, {q}, {}, {scale}, {});
 }
 
 // The logits x @ w.T + bias where a token could be the argmax of its row, -inf elsewhere, from the int8 copy
@@ -269,7 +510,7 @@ torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weig
   const torch::Tensor x = x_in.contiguous(), rho = rho_in.contiguous();
   const int64_t R = x.size(0), V = q.size(0), K = x.size(1);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat, "argmax_logits: the weight must be float32");
-  check_weight(weight, c10::nullopt, K, "argmax_logits");
+  check_weight(weight, c10::nullopt, c10::nullopt, K, "argmax_logits");
   TORCH_CHECK(weight.size(0) == V && rho.dim() == 1 && rho.size(0) == V && rho.scalar_type() == torch::kFloat,
               "argmax_logits: weight [V, K] and rho [V] float32 expected, V = ", V);
   const bool has_bias = bias_in.has_value() && bias_in->defined();
@@ -602,14 +843,14 @@ torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& 
 // layer by the lean forward (infer/lean_forward.py), so a layer's call passes four of these, not twelve lists.
 struct Linears {
   std::vector<torch::Tensor> weights;
-  std::vector<c10::optional<torch::Tensor>> biases, scales;
-  bool int8 = false;  // some weight is int8: only this kernel runs it
+  std::vector<c10::optional<torch::Tensor>> biases, scales, lows;
+  bool quantized = false;  // some weight is int8 or 4-bit: only this kernel runs it
 
   Linears(std::vector<torch::Tensor> weights_, std::vector<c10::optional<torch::Tensor>> biases_,
-          std::vector<c10::optional<torch::Tensor>> scales_)
-      : weights(std::move(weights_)), biases(std::move(biases_)), scales(std::move(scales_)) {
+          std::vector<c10::optional<torch::Tensor>> scales_, std::vector<c10::optional<torch::Tensor>> lows_)
+      : weights(std::move(weights_)), biases(std::move(biases_)), scales(std::move(scales_)), lows(std::move(lows_)) {
     TORCH_CHECK(!weights.empty(), "Linears: no weight given");
-    for (const torch::Tensor& w : weights) int8 = int8 || w.scalar_type() == torch::kChar;
+    for (const torch::Tensor& w : weights) quantized = quantized || w.scalar_type() != torch::kFloat;
   }
   int64_t out_features(size_t i) const { return weights[i].size(0); }
 };
@@ -619,7 +860,8 @@ namespace {
 // x through `linears` side by side, as the lean forward's `_linear` runs a block: the streamed kernel (always
 // for int8 weights), or ATen's linear (one row: the GEMV at the memory floor).
 torch::Tensor linear_rows(const torch::Tensor& x, const Linears& linears, bool stream) {
-  if (stream || linears.int8) return few_rows_linear_cat(x, linears.weights, linears.biases, linears.scales);
+  if (stream || linears.quantized)
+    return few_rows_linear_cat(x, linears.weights, linears.biases, linears.scales, linears.lows);
   std::vector<torch::Tensor> parts;
   for (size_t i = 0; i < linears.weights.size(); ++i)
     parts.push_back(at::linear(x, linears.weights[i], linears.biases.empty() ? c10::nullopt : linears.biases[i]));
@@ -743,17 +985,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
   m.def("few_rows_linear_cat", &few_rows_linear_cat,
-        "x [M, K] against several weights [N_i, K] (fp32, or int8 rows with scales; + biases) at once -> "
-        "[M, sum N_i], fp32",
+        "x [M, K] against several weights [N_i, K] (fp32, int8 rows or groups with scales, 4-bit groups with "
+        "scales and lows; + biases) at once -> [M, sum N_i], fp32",
         pybind11::arg("x"), pybind11::arg("weights"), pybind11::arg("biases"),
-        pybind11::arg("scales") = std::vector<c10::optional<torch::Tensor>>());
+        pybind11::arg("scales") = std::vector<c10::optional<torch::Tensor>>(),
+        pybind11::arg("lows") = std::vector<c10::optional<torch::Tensor>>());
   // module_local: each build (native, AVX2) registers its own type, so both load in one process
   pybind11::class_<Linears>(m, "Linears", pybind11::module_local(),
-                            "weights sharing an input (fp32, or int8 rows with scales), biases, scales")
+                            "weights sharing an input (fp32, int8 or 4-bit), biases, scales, lows")
       .def(pybind11::init<std::vector<torch::Tensor>, std::vector<c10::optional<torch::Tensor>>,
-                          std::vector<c10::optional<torch::Tensor>>>(),
-           pybind11::arg("weights"), pybind11::arg("biases"), pybind11::arg("scales"))
-      .def_readonly("int8", &Linears::int8);
+                          std::vector<c10::optional<torch::Tensor>>, std::vector<c10::optional<torch::Tensor>>>(),
+           pybind11::arg("weights"), pybind11::arg("biases"), pybind11::arg("scales"), pybind11::arg("lows"))
+      .def_readonly("quantized", &Linears::quantized);
   m.def("int8_rows_linear", &int8_rows_linear, "x [M, K] fp32 @ (q [N, K] int8 * scale [N, 1]).T, fp32 sums",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
   m.def("argmax_logits", &argmax_logits,
