@@ -204,7 +204,7 @@ def _cpu_flags() -> str:
 GROUP = 32  # inputs per scale (and offset) of the kernel's grouped weights: GGUF's Q4_1 and Q8_0 blocks
 
 
-def int4_fits(weight: torch.Tensor) -> bool:
+def groups_fit(weight: torch.Tensor) -> bool:
     """Whether a [out, in] weight can be held in groups of `GROUP` inputs (`Int4Linear`, `Int8Linear(group=True)`)."""
     return weight.shape[1] % GROUP == 0
 
@@ -247,7 +247,7 @@ class Int4Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
-        if not int4_fits(weight):
+        if not groups_fit(weight):
             raise ValueError(f"int4 needs in_features divisible by {GROUP}; got {tuple(weight.shape)}")
         q, scale, low = int4_groups(weight.detach().float())
         self.register_buffer("q", q, persistent=False)
@@ -309,7 +309,7 @@ class Int8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, group: bool = False):
         super().__init__()
-        if group and not int4_fits(weight):
+        if group and not groups_fit(weight):
             raise ValueError(f"int8 groups need in_features divisible by {GROUP}; got {tuple(weight.shape)}")
         q, scale = (int8_groups if group else int8_rows)(weight.detach().float())
         self.register_buffer("q", q, persistent=False)

@@ -81,6 +81,23 @@ def perturbed_copy(model, scale: float = 0.05, seed: int = 7):
     return draft
 
 
+
+def on_gguf_grid(weight: torch.Tensor, kind: str) -> torch.Tensor:
+    """`weight` [N, K] rounded onto a GGUF grid in groups of 32 inputs, with fp16 scales (and offsets) as GGUF
+    stores them, dequantized to fp32 as transformers does: "q4_1", q * d + m with q in 0..15 (the embedded SmolLM2's
+    layers); "q8_0", q * d with q in -127..127 (its tied embedding and LM head)."""
+    groups = weight.detach().float().reshape(weight.shape[0], -1, 32)
+    if kind == "q8_0":
+        scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
+        grid = (groups / scale).round().clamp(-127, 127) * scale
+    elif kind == "q4_1":
+        low = groups.amin(-1, keepdim=True).half().float()
+        scale = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
+        grid = ((groups - low) / scale).round().clamp(0, 15) * scale + low
+    else:
+        raise ValueError(f"kind: 'q4_1' or 'q8_0', got {kind!r}")
+    return grid.reshape(weight.shape)
+
 @pytest.fixture(scope="module")
 def smollm2():
     """The real embedded target (SmolLM2-135M-Instruct) and its tokenizer, padding on the left."""

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import on_gguf_grid, tiny_model
 from torch import nn
 
 from infer import SelfSpecModel, cpu_linear
@@ -257,21 +257,9 @@ def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kern
 
 
 # ------------------------------------------------------------------ weights in groups (the int4 self-drafter's)
-def _gguf_grids(out_features: int, in_features: int):
-    """A weight on GGUF's Q4_1 grid (each group of 32 inputs: q * d + m, q in 0..15, d and m fp16) and one on
-    Q8_0's (q * d, q in -127..127), dequantized to fp32 as transformers does."""
-    groups = (out_features, in_features // 32)
-    d, m = torch.rand(*groups).add(0.01).half().float(), torch.randn(*groups).mul(0.1).half().float()
-    q4 = torch.randint(0, 16, (*groups, 32)).float()
-    q4[..., 0], q4[..., 1] = 0, 15  # as GGUF's quantizer finds them: the group's min and max are on the grid
-    q8 = torch.randint(-127, 128, (*groups, 32)).float()
-    q8[..., 0] = 127
-    return ((q4 * d[..., None] + m[..., None]).reshape(out_features, in_features),
-            (q8 * d[..., None]).reshape(out_features, in_features))
-
-
 def test_groups_hold_a_gguf_grid_exactly_and_other_weights_within_half_a_step():
-    q4_1, q8_0 = _gguf_grids(37, 96)
+    torch.manual_seed(0)
+    q4_1, q8_0 = on_gguf_grid(torch.randn(37, 96), "q4_1"), on_gguf_grid(torch.randn(37, 96), "q8_0")
     q, scale, low = cpu_linear.int4_groups(q4_1)
     assert q.dtype == torch.uint8 and q.shape == (37, 48) and scale.shape == low.shape == (37, 3)
     assert torch.equal(cpu_linear.int4_weight(q, scale, low), q4_1)
@@ -296,7 +284,7 @@ def test_grouped_weights_match_their_dequantized_weights_beside_fp32_and_int8_ro
     """4-bit groups (a scale and a low each) and int8 groups (a scale each) in one pass with fp32 weights and int8
     rows, 1 to 20 input rows (several passes of 4), 37 output rows (9 blocks of 4 and one left over)."""
     torch.manual_seed(0)
-    q4_1, q8_0 = _gguf_grids(37, 96)
+    q4_1, q8_0 = on_gguf_grid(torch.randn(37, 96), "q4_1"), on_gguf_grid(torch.randn(37, 96), "q8_0")
     q4, scale4, low4 = cpu_linear.int4_groups(q4_1)
     q8, scale8 = cpu_linear.int8_groups(q8_0)
     rows_q, rows_scale = cpu_linear.int8_rows(torch.randn(13, 96))

@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import on_gguf_grid, tiny_model
 from torch import nn
 
 from heads.eagle3.lean import LeanEagle3
@@ -591,28 +591,25 @@ def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
     target = tiny_model("llama")
     with torch.no_grad():
         for module in [m for m in target.modules() if type(m) is nn.Linear]:
-            groups = module.weight.view(module.out_features, -1, 32)  # GGUF's blocks: fp16 scales and offsets
-            if module is target.get_output_embeddings():  # Q8_0
-                scale = (groups.abs().amax(-1, keepdim=True) / 127).half().float()
-                groups.copy_((groups / scale).round().clamp(-127, 127) * scale)
-            else:  # Q4_1
-                low = groups.amin(-1, keepdim=True).half().float()
-                scale = ((groups.amax(-1, keepdim=True) - low) / 15).half().float()
-                groups.copy_(((groups - low) / scale).round().clamp(0, 15) * scale + low)
+            module.weight.copy_(on_gguf_grid(module.weight, "q8_0" if module is target.get_output_embeddings()
+                                             else "q4_1"))
     draft = self_draft.int4("", target).model
     for name, module in draft.named_modules():
         if isinstance(module, lean_forward.QUANTIZED):
             assert torch.equal(module.weight_fp32(), target.get_submodule(name).weight)
-    model = SelfSpecModel(target, "int4")
-    steps = []  # per verify step: the chain's nodes (its root and drafts), and how many the target accepted
-    model.step_observer = lambda tree, acceptance, budget: steps.append((tree.tokens.shape[1], int(acceptance.length)))
     expected = target.generate(IDS, max_new_tokens=40, do_sample=False)
-    assert torch.equal(model.generate(IDS, max_new_tokens=40), expected)
+
+    def steps_of(kind: str) -> list[tuple[int, int]]:
+        """Per verify step of `kind` drafting: the chain's nodes (its root and drafts), and how many were accepted."""
+        model, steps = SelfSpecModel(target, kind), []
+        model.step_observer = lambda tree, acceptance, budget: steps.append((tree.tokens.shape[1],
+                                                                            int(acceptance.length)))
+        assert torch.equal(model.generate(IDS, max_new_tokens=40), expected)
+        return steps
+
+    steps = steps_of("int4")
     assert steps and all(accepted == nodes for nodes, accepted in steps), steps  # every draft was the target's
-    model = SelfSpecModel(target, "int8")  # int8 rows are not GGUF's grid: some of its drafts are not
-    model.step_observer = lambda tree, acceptance, budget: steps.append((tree.tokens.shape[1], int(acceptance.length)))
-    steps.clear()
-    assert torch.equal(model.generate(IDS, max_new_tokens=40), expected)
+    steps = steps_of("int8")  # int8 rows are not GGUF's grid: some of its drafts are not
     assert any(accepted < nodes for nodes, accepted in steps), steps
 
 

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..cpu_linear import GROUP, Int4Linear, Int8Linear, int4_fits
+from ..cpu_linear import GROUP, Int4Linear, Int8Linear, groups_fit
 from .draft_model import DraftModelDrafter
 
 MAX_TOKENS = 12
@@ -77,8 +77,8 @@ def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
 
     def layer(weight, bias, head):
         if head:  # 4 bits move the argmax most: 8 bits in groups, GGUF's Q8_0, where the shape allows
-            return Int8Linear(weight, bias, group=int4_fits(weight))
-        return Int4Linear(weight, bias) if int4_fits(weight) else Int8Linear(weight, bias)
+            return Int8Linear(weight, bias, group=groups_fit(weight))
+        return Int4Linear(weight, bias) if groups_fit(weight) else Int8Linear(weight, bias)
 
     draft = _low_bit(target, layer)
     if not any(isinstance(m, Int4Linear) for m in draft.modules()):
