@@ -233,6 +233,20 @@ def int4_weight(q: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> torc
     return (groups * scale[..., None] + low[..., None]).reshape(out_features, -1)
 
 
+def int4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`int4_groups(weight)` where those hold `weight` exactly, else None. Exactly: `int4_weight` gives back every
+    weight bit for bit, as for weights dequantized from GGUF's Q4_1 (the embedded SmolLM2's layers). The kernel
+    rebuilds such weights in registers as `int4_weight` does and multiplies them as the fp32 weight, so it computes
+    the same bits from a fifth of the bytes."""
+    if weight.dtype != torch.float32 or weight.dim() != 2 or not groups_fit(weight) or not _plain(weight):
+        return None
+    with torch.no_grad():
+        if not torch.equal(int4_weight(*int4_groups(weight[:1])), weight[:1]):  # most weights fail on their first row
+            return None
+        groups = int4_groups(weight)
+        return groups if torch.equal(int4_weight(*groups), weight) else None
+
+
 class Int4Linear(nn.Module):
     """A linear layer whose weight is held as 4-bit integers in groups of `GROUP` inputs, each group with its
     own scale and offset (`int4_groups`: w = q * scale + low, q in 0..15, GGUF's Q4_1). A target dequantized from a

@@ -45,7 +45,7 @@ aside (`user_hooks`): a hook on the user's model must see every forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,17 @@ class Linears:
         """These weights as the kernel's `Linears`, which `decoder_layer` and `attention_tail` take."""
         return kernel.Linears(list(self.weights), list(self.biases), list(self.scales), list(self.lows))
 
+    def on_grid(self, packed: cpu_linear.PackCache) -> Linears | None:
+        """These fp32 weights as the 4-bit groups each lies on exactly (`cpu_linear.int4_exact`, found once per
+        weight and kept in `packed`), or None where one does not."""
+        if self.quantized:
+            return None
+        groups = [packed.derived(w, "int4 exact", cpu_linear.int4_exact) for w in self.weights]
+        if any(g is None for g in groups):
+            return None
+        q, scales, lows = zip(*groups, strict=True)
+        return Linears(q, self.biases, scales, lows, True)
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -109,6 +120,11 @@ class Layer:
     kv_heads: int
     head_dim: int
     scaling: float
+
+    def on_grid(self, packed: cpu_linear.PackCache) -> Layer | None:
+        """This layer with every linear on its exact 4-bit grid (`Linears.on_grid`), or None where one is not."""
+        linears = {name: getattr(self, name).on_grid(packed) for name in ("qkv", "o", "gate_up", "down")}
+        return None if any(m is None for m in linears.values()) else replace(self, **linears)
 
 
 class Unsupported(ValueError):
@@ -214,15 +230,23 @@ def user_hooks(target) -> bool:
 class LeanLayers:
     """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
-    `cpu_linear.PackCache` for larger blocks (None: `F.linear`). Int8 weights run on the kernel at any size."""
+    `cpu_linear.PackCache` for larger blocks (None: `F.linear`). Int8 weights run on the kernel at any size.
+    `grid`: per layer, the same layer with its weights on their exact 4-bit grid (`Layer.on_grid`) or None; blocks of
+    up to `GRID_ROWS` rows read those instead, for the same bits from a fifth of the bytes."""
 
-    def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None):
+    GRID_ROWS = cpu_linear.Int4Linear.KERNEL_ROWS
+
+    def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None,
+                 grid: list[Layer | None] | None = None):
         self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
-        quantized = any(m.quantized for layer in layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        self.grid = grid or [None] * len(layers)
+        quantized = any(m.quantized for layer in layers + [g for g in self.grid if g is not None]
+                        for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or quantized else None
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
-        self.native = [] if self.kernel is None else [
-            tuple(m.native(self.kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down)) for layer in layers]
+        natives = lambda layer: tuple(m.native(self.kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))  # noqa: E731
+        self.native = [] if self.kernel is None else [natives(layer) for layer in layers]
+        self.grid_native = [None if g is None or self.kernel is None else natives(g) for g in self.grid]
 
     @classmethod
     def read_or_refuse(cls, read, model, what: str) -> list:
@@ -247,10 +271,13 @@ class LeanLayers:
         b, n, _ = x.shape
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
+        native = self.native[index] if self.native else None
+        if self.grid_native[index] is not None and b * n <= self.GRID_ROWS:
+            layer, native = self.grid[index], self.grid_native[index]
         if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
             stream = self._streamed(b * n, layer.qkv, layer.o, layer.gate_up, layer.down)
             if stream or b * n == 1:
-                return self._whole_layer(x, y, layer, index, cache.layer(index), attention_mask, rotary,
+                return self._whole_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
                                          next_norm, stream)
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
@@ -259,7 +286,7 @@ class LeanLayers:
             keys, values = cache.update(heads[:, h:h + kvh], heads[:, h + kvh:], index)
             stream = self._streamed(b * n, layer.o, layer.gate_up, layer.down)
             if attention_mask is not None and (stream or b * n == 1):
-                return self._tail(x, qkv, keys, values, attention_mask, layer, index, next_norm, stream)
+                return self._tail(x, qkv, keys, values, attention_mask, layer, native, next_norm, stream)
             q = heads[:, :h]
         else:
             heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
@@ -274,23 +301,23 @@ class LeanLayers:
         x = x + self._linear(F.silu(gate) * up, layer.down)
         return x, self._norm(x, next_norm)
 
-    def _whole_layer(self, x, y, layer: Layer, index: int, kv: RoomyLayer, attention_mask, rotary, next_norm,
+    def _whole_layer(self, x, y, layer: Layer, native: tuple, kv: RoomyLayer, attention_mask, rotary, next_norm,
                      stream: bool):
         """`_layer` in one kernel call (`decoder_layer`): q/k/v, rotary, the K/V write straight into the cache
         layer's buffers, and `_tail`. What it saves is Python: the cache update alone is a dozen small ops, 14 us
         in a loop by itself and about 40 us a layer inside a verify forward (SmolLM2, 2-core Xeon)."""
         b, n, _ = x.shape
         key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
-        qkv, o, gate_up, down = self.native[index]
+        qkv, o, gate_up, down = native
         x, y, kv.keys, kv.values = self.kernel.decoder_layer(
             x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
             *layer.post_norm, gate_up, down, *next_norm, stream)
         return x, y
 
-    def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, index: int, next_norm, stream: bool):
+    def _tail(self, x, qkv, keys, values, attention_mask, layer: Layer, native: tuple, next_norm, stream: bool):
         """The rest of `_layer` after the K/V write (attention, o, MLP, both residual adds, `next_norm`) in
         one kernel call: ATen's own ops there, without a Python dispatch for each of them."""
-        _, o, gate_up, down = self.native[index]
+        _, o, gate_up, down = native
         return self.kernel.attention_tail(x, qkv.view(x.shape[0] * x.shape[1], -1), keys, values, attention_mask,
                                           layer.heads, layer.scaling, o, *layer.post_norm, gate_up, down, *next_norm,
                                           stream)
@@ -339,12 +366,20 @@ class LeanForward(LeanLayers):
         logits come from `infer.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
         where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
         runs. `quantized`: the model's linears, its LM head's too, are `cpu_linear.Int8Linear` or `Int4Linear` (the
-        `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size."""
+        `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size.
+
+        An fp32 target whose layers' weights lie exactly on 4-bit grids (dequantized from GGUF's Q4_1, as the
+        embedded SmolLM2 is) runs blocks of up to `GRID_ROWS` rows on those (`Layer.on_grid`, found once per weight
+        and kept in `packed`): the same bits as from its fp32 weights, a fifth of the bytes to stream."""
         if quantized and argmax_only:
             raise ValueError("argmax_only reads an int8 copy of an fp32 LM head; a quantized model's head is one "
                              "already")
-        super().__init__(self.read_or_refuse(lambda m: _read(m, quantized), target,
-                                            "quantized model" if quantized else "target"), stream_rows, packed)
+        layers = self.read_or_refuse(lambda m: _read(m, quantized), target,
+                                     "quantized model" if quantized else "target")
+        grid = None
+        if packed is not None and not quantized and cpu_linear.streamed_kernel() is not None:
+            grid = [layer.on_grid(packed) for layer in layers]
+        super().__init__(layers, stream_rows, packed, grid)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)

@@ -280,9 +280,11 @@ def _builds():
     return builds
 
 
-def test_grouped_weights_match_their_dequantized_weights_beside_fp32_and_int8_rows():
+def test_grouped_weights_give_the_bits_of_the_fp32_weights_they_hold_beside_fp32_and_int8_rows():
     """4-bit groups (a scale and a low each) and int8 groups (a scale each) in one pass with fp32 weights and int8
-    rows, 1 to 20 input rows (several passes of 4), 37 output rows (9 blocks of 4 and one left over)."""
+    rows, 1 to 20 input rows (one pass, pairs of weight rows, passes of 4), 37 output rows (9 blocks of 4 and one left
+    over): each grouped weight gives the same bits as the fp32 weight it holds would, and so a target dequantized from
+    a GGUF grid can be read on it losslessly."""
     torch.manual_seed(0)
     q4_1, q8_0 = on_gguf_grid(torch.randn(37, 96), "q4_1"), on_gguf_grid(torch.randn(37, 96), "q8_0")
     q4, scale4, low4 = cpu_linear.int4_groups(q4_1)
@@ -290,13 +292,28 @@ def test_grouped_weights_match_their_dequantized_weights_beside_fp32_and_int8_ro
     rows_q, rows_scale = cpu_linear.int8_rows(torch.randn(13, 96))
     fp32, bias = torch.randn(11, 96), torch.randn(11)
     for kernel in _builds():
-        for rows in (1, 3, 4, 5, 13, 20):
+        for rows in (1, 3, 4, 5, 8, 9, 13, 14, 15, 20):
             x = torch.randn(rows, 96)
             got = kernel.few_rows_linear_cat(x, [q4, fp32, q8, rows_q], [None, bias, None, None],
                                              [scale4, None, scale8, rows_scale], [low4, None, None, None])
+            as_fp32 = kernel.few_rows_linear_cat(x, [q4_1, fp32, q8_0], [None, bias, None])
+            assert torch.equal(got[:, :85], as_fp32), rows  # 37 + 11 + 37 columns
             expected = torch.cat([x @ q4_1.T, x @ fp32.T + bias, x @ q8_0.T,
                                   x @ (rows_q.float() * rows_scale[:, None]).T], dim=-1)
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)  # sums of ~1,000: float rounding
+
+
+def test_int4_exact_finds_a_gguf_grid_and_refuses_other_weights():
+    torch.manual_seed(0)
+    q4_1 = on_gguf_grid(torch.randn(37, 96), "q4_1")
+    q, scale, low = cpu_linear.int4_exact(q4_1)
+    assert torch.equal(cpu_linear.int4_weight(q, scale, low), q4_1)
+    near = q4_1.clone()
+    near[20, 50] = torch.nextafter(near[20, 50], torch.tensor(1.0))  # one weight one bit off its grid
+    assert cpu_linear.int4_exact(near) is None
+    assert cpu_linear.int4_exact(torch.randn(37, 96)) is None
+    assert cpu_linear.int4_exact(q4_1[:, :80]) is None  # 80 inputs: not groups of 32
+    assert cpu_linear.int4_exact(q4_1.double()) is None
 
 
 def test_grouped_weights_are_refused_by_name_when_malformed():

@@ -584,15 +584,20 @@ def test_the_quantized_drafters_draft_lean_and_stay_exact(kind, monkeypatch):
     assert model.drafter.lean is None
 
 
-def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
-    """A target whose weights are on GGUF's grids (Q4_1 layers, a Q8_0 head, as the embedded SmolLM2's are) is held
-    again exactly by the `int4` drafter, so its drafts are the target's greedy tokens but for float rounding."""
-    _kernel()
-    target = tiny_model("llama")
+def _on_gguf_grids(target):
+    """`target` with its layers' weights on Q4_1's grid and its LM head on Q8_0's, as the embedded SmolLM2's are."""
     with torch.no_grad():
         for module in [m for m in target.modules() if type(m) is nn.Linear]:
             module.weight.copy_(on_gguf_grid(module.weight, "q8_0" if module is target.get_output_embeddings()
                                              else "q4_1"))
+    return target
+
+
+def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
+    """A target whose weights are on GGUF's grids (Q4_1 layers, a Q8_0 head, as the embedded SmolLM2's are) is held
+    again exactly by the `int4` drafter, so its drafts are the target's greedy tokens but for float rounding."""
+    _kernel()
+    target = _on_gguf_grids(tiny_model("llama"))
     draft = self_draft.int4("", target).model
     for name, module in draft.named_modules():
         if isinstance(module, lean_forward.QUANTIZED):
@@ -611,6 +616,46 @@ def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
     assert steps and all(accepted == nodes for nodes, accepted in steps), steps  # every draft was the target's
     steps = steps_of("int8")  # int8 rows are not GGUF's grid: some of its drafts are not
     assert any(accepted < nodes for nodes, accepted in steps), steps
+
+
+@pytest.mark.parametrize("rows", [2, 5, 9, 16])
+def test_a_target_on_4bit_grids_is_verified_on_them_for_the_same_bits(rows):
+    """Blocks of up to 16 rows read a target's layers on the 4-bit grids they lie on: the same logits, hidden states
+    and K/V, bit for bit, as the kernel gives from the fp32 weights."""
+    _kernel()
+    target = _on_gguf_grids(tiny_model("llama"))
+    grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    assert all(layer is not None and layer.qkv.weights[0].dtype == torch.uint8 for layer in grid.grid)
+    fp32 = lean_forward.LeanForward(target, 16, None)  # no cache to keep the grids in: the fp32 weights
+    assert fp32.grid == [None] * target.config.num_hidden_layers
+    block = torch.arange(2 * rows).remainder(90).add(2).view(2, rows)
+    depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
+    prompt, mask = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    outs, caches = [], []
+    with torch.no_grad():
+        for lean in (fp32, grid):
+            kv = _after_prompt(target, prompt, mask)
+            outs.append(forward_block(lean, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
+            caches.append(kv.cache)
+    assert torch.equal(outs[0].logits, outs[1].logits)
+    assert all(torch.equal(a, b) for a, b in zip(outs[0].hidden_states, outs[1].hidden_states, strict=True))
+    for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_generate_verifies_on_the_grids_and_stays_exact(monkeypatch):
+    _kernel()
+    target = _on_gguf_grids(tiny_model("llama"))
+    grids = []
+    whole_layer = lean_forward.LeanLayers._whole_layer
+    monkeypatch.setattr(lean_forward.LeanLayers, "_whole_layer",
+                        lambda self, x, y, layer, *args: grids.append(layer.qkv.weights[0].dtype == torch.uint8)
+                        or whole_layer(self, x, y, layer, *args))
+    model = SelfSpecModel(target, "ngram")
+    assert torch.equal(model.generate(IDS, max_new_tokens=30), target.generate(IDS, max_new_tokens=30, do_sample=False))
+    assert grids and all(grids)  # every verify block, one row or a chain, read the grids
+    assert all(lean_forward.LeanForward(tiny_model("llama"), 16, cpu_linear.PackCache()).grid[i] is None
+               for i in range(target.config.num_hidden_layers))  # random weights: no grid
 
 
 def test_an_int8_lean_forward_refuses_what_it_cannot_run():
