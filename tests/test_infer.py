@@ -35,6 +35,7 @@ def prompts(batch: int, seed: int = 3) -> list[list[int]]:
 
 DRAFTERS = {
     "ngram": lambda target: "ngram",
+    "none": lambda target: "none",  # no drafts: the engine's own forward, one token a step
     "draft_model": lambda target: perturbed_copy(target),
     "unrelated_draft_model": lambda target: tiny_model(target.config.model_type, seed=11),
     "lookup_first": lambda target: LookupFirstDrafter(DraftModelDrafter(perturbed_copy(target)), min_match=1),

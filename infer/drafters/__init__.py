@@ -15,6 +15,7 @@ from . import gguf, layer_skip, lookahead, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
+from .none import NoDrafter
 from .suffix import from_spec as suffix_from_spec
 
 
@@ -52,6 +53,9 @@ register("staged", staged.from_spec, "staged:<drafter>+ngram",
          "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
 register("lookahead", lookahead.from_spec, "lookahead[:<window>,<ngram>,<guesses>]",
          "no model: Jacobi iteration in the verify forward fills an n-gram pool (Fu et al. 2024)")
+register("none", lambda arg, target, tokenizer: NoDrafter(), "none",
+         "no drafts: one token a target forward through selfspec's own forward, the baseline that tells its gain from "
+         "drafting's")
 register("suffix", suffix_from_spec, "suffix[:<drafter>]",
          "no model: suffix matches in the request and earlier responses (repeated requests); <drafter> elsewhere")
 
@@ -71,5 +75,5 @@ def build_drafter(spec: str, target, tokenizer=None) -> Drafter:
     return entry.build(arg.strip() if sep else None, target, tokenizer)
 
 
-__all__ = ["DRAFTERS", "DraftModelDrafter", "LookupFirstDrafter", "NgramDrafter", "build_drafter", "known",
-           "register"]
+__all__ = ["DRAFTERS", "DraftModelDrafter", "LookupFirstDrafter", "NgramDrafter", "NoDrafter", "build_drafter",
+           "known", "register"]

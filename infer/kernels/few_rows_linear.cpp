@@ -23,8 +23,9 @@
 // fp32 scale a row (widened to fp32 as it is loaded: a quarter of the bytes to stream), which is how the `int8`
 // self-drafter's lean forward runs; `int8_rows_linear` is one such weight alone, and `argmax_logits` uses it to
 // score only the tokens that could be a row's argmax (infer/argmax_head.py). Or in groups of 32 inputs with a
-// scale each: int8 (GGUF's Q8_0), or 4-bit with an offset too (GGUF's Q4_1), which is how the `int4`
-// self-drafter's lean forward runs; the products and sums stay fp32 in every format.
+// scale each: int8 (GGUF's Q8_0), or 4-bit with an offset too (GGUF's Q4_1), rebuilt in registers to the bits of
+// the fp32 weight they hold: how the `int4` self-drafter's lean forward runs, and how a target whose weights lie on
+// such a grid (one dequantized from a GGUF file) is verified; the products and sums stay fp32 in every format.
 
 #include <torch/extension.h>
 
