@@ -43,7 +43,8 @@ register("int8", self_draft.int8, "int8",
          "a copy of the target with int8 weight-only linears, drafting in torch")
 register("int4", self_draft.int4, "int4",
          "the target's layers in 4-bit groups (GGUF's Q4_1), its LM head in int8 groups (Q8_0), run on selfspec's CPU "
-         "kernel: exact for a target dequantized from such a GGUF (the embedded one)")
+         "kernel: for a target that was never 4-bit (one dequantized from such a GGUF, the embedded one, is verified on "
+         "those weights already, and `none` runs faster)")
 register("bf16", self_draft.bf16, "bf16", "a bfloat16 copy of the target, drafting in torch")
 register("early_exit", self_draft.early_exit, "early_exit:<layers>",
          "the target's own first <layers> layers, final norm and LM head; no extra weights")
