@@ -125,10 +125,16 @@ class Layer:
     head_dim: int
     scaling: float
 
+    LINEARS = ("qkv", "o", "gate_up", "down")  # in the order the kernel's one-layer calls take them
+
+    @property
+    def linears(self) -> tuple[Linears, ...]:
+        return tuple(getattr(self, name) for name in self.LINEARS)
+
     def on_grid(self, packed: cpu_linear.PackCache) -> Layer | None:
         """This layer with every linear on its exact 4-bit grid (`Linears.on_grid`), or None where one is not."""
-        linears = {name: getattr(self, name).on_grid(packed) for name in ("qkv", "o", "gate_up", "down")}
-        return None if any(m is None for m in linears.values()) else replace(self, **linears)
+        grid = [m.on_grid(packed) for m in self.linears]
+        return None if None in grid else replace(self, **dict(zip(self.LINEARS, grid, strict=True)))
 
 
 class Unsupported(ValueError):
@@ -244,11 +250,10 @@ class LeanLayers:
                  grid: list[Layer | None] | None = None):
         self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
         self.grid = grid or [None] * len(layers)
-        quantized = any(m.quantized for layer in layers + [g for g in self.grid if g is not None]
-                        for m in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        quantized = any(m.quantized for layer in layers + [g for g in self.grid if g is not None] for m in layer.linears)
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or quantized else None
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
-        natives = lambda layer: tuple(m.native(self.kernel) for m in (layer.qkv, layer.o, layer.gate_up, layer.down))  # noqa: E731
+        natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
         self.native = [] if self.kernel is None else [natives(layer) for layer in layers]
         self.grid_native = [None if g is None or self.kernel is None else natives(g) for g in self.grid]
 
@@ -279,7 +284,7 @@ class LeanLayers:
         if self.grid_native[index] is not None and b * n <= self.GRID_ROWS:
             layer, native = self.grid[index], self.grid_native[index]
         if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
-            stream = self._streamed(b * n, layer.qkv, layer.o, layer.gate_up, layer.down)
+            stream = self._streamed(b * n, *layer.linears)
             if stream or b * n == 1:
                 return self._whole_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
                                          next_norm, stream)

@@ -231,7 +231,7 @@ inline GroupVectors load_group(const Int4Row& row, int64_t g) {
 
 inline GroupVectors load_group(const Int8Row& row, int64_t g) {
   GroupVectors out;
-  for (int v = 0; v < kGroupVectors; ++v) out.v[v] = unfused(load_lanes(row.q + g * kGroup + v * kLanes) * row.scale[g]);
+  for (int v = 0; v < kGroupVectors; ++v) out.v[v] = load_lanes(row.q + g * kGroup + v * kLanes) * row.scale[g];
   return out;
 }
 
@@ -323,8 +323,8 @@ void middle_tile(const float* x, const W& w, float* y, int64_t K, int64_t ldy, i
 // Weight rows [n, n + B) against all M input rows, kInputRows at a time; on AVX-512, 9 to kWideInputRows input rows
 // go two weight rows at a time against all of them in one pass (see kWideInputRows). Grouped weights, whose groups
 // cost as much to rebuild as several input rows' products, take 5 to 8 input rows in one pass too, with all B weight
-// rows (SmolLM2's 4-bit linears, 2-core Xeon, median of 12, against passes of 4 input rows: 5 rows 10.7 -> 9.7 ms,
-// 8 rows 14.2 -> 13.1, 13 rows 23.3 -> 21.4 with the pairs).
+// rows (SmolLM2's 4-bit linears, 2-core Xeon, median of 12, against passes of 4 input rows: 8 rows 14.2 -> 13.1 ms,
+// 13 rows 23.3 -> 21.4 with the pairs; at 5-8 rows pairs of weight rows were 3-9% slower than all four).
 template <int B, typename W>
 void weight_rows(const float* x, const W& w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n,
                  const float* scale = nullptr) {
