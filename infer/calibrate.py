@@ -43,6 +43,7 @@ import torch
 from heads.trees import Prediction, best_prediction, candidate_trees, prior_paths
 
 from . import argmax_head, cpu_linear, lean_forward
+from .drafters.none import NoDrafter
 from .drafting import TargetStep
 from .embedded import cache_dir
 from .engine import SelfSpecModel, _generation_mode, _max_positions
@@ -252,19 +253,23 @@ def measure_acceptance(target, drafter, prompts: list[torch.Tensor], tree: dict,
 def measure_lookup_first(target, drafter, prompts: list[torch.Tensor], tree: dict, *, max_new_tokens: int = 64,
                          tokenizer=None, prepack: bool | None = None) -> dict:
     """Whether prompt lookup first (`infer.drafters.LookupFirstDrafter`) makes `drafter` (a heads model)
-    drafting `tree` faster on this machine: greedy generation of every prompt both ways, interleaved prompt
-    by prompt with the order alternating, after a warm-up of each. Returns per way the new tokens, target
-    forwards and seconds, and `pays`: lookup first made more tokens a second. Unlike the tree, this is a
-    timing of whole generations, so it holds for the machine it ran on."""
+    drafting `tree` faster on this machine, and whether drafting pays at all: greedy generation of every prompt
+    three ways, the drafter alone, with lookup first, and with no drafts (`infer.drafters.NoDrafter`: one token a
+    target forward through the same engine), interleaved prompt by prompt with the order turning, after a warm-up
+    of each. Returns per way the new tokens, target forwards and seconds; `pays`: lookup first made more tokens a
+    second than the drafter alone; `drafting_pays`: the faster of those two made more than no drafts. Unlike the
+    tree, this is a timing of whole generations, so it holds for the machine it ran on."""
     if not prompts:
         raise ValueError("measuring prompt lookup first needs at least one held-out prompt")
     models = {way: SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=tree, cpu_prepack=prepack,
                                  lookup_first=way == "lookup_first") for way in ("alone", "lookup_first")}
+    models["no_drafts"] = SelfSpecModel(target, NoDrafter(), tokenizer=tokenizer, cpu_prepack=prepack)
     totals = {way: {"new_tokens": 0, "target_forwards": 0, "seconds": 0.0} for way in models}
     for model in models.values():
         model.generate(prompts[0], max_new_tokens=min(8, max_new_tokens))
+    ways = list(models)
     for i, ids in enumerate(prompts):
-        for way in sorted(models, reverse=i % 2 == 1):
+        for way in ways[i % len(ways):] + ways[:i % len(ways)]:
             run = functools.partial(models[way].generate, ids, max_new_tokens=max_new_tokens)
             totals[way]["seconds"] += _seconds(run, target.device)
             stats = models[way].last_stats
@@ -272,9 +277,11 @@ def measure_lookup_first(target, drafter, prompts: list[torch.Tensor], tree: dic
             totals[way]["target_forwards"] += stats["target_forwards"]
     for entry in totals.values():
         entry["tokens_per_second"] = entry["new_tokens"] / entry["seconds"]
-    pays = totals["lookup_first"]["tokens_per_second"] > totals["alone"]["tokens_per_second"]
-    return {**totals, "pays": pays, "tree": tree, "prompts": len(prompts), "max_new_tokens": max_new_tokens,
-            "device": device_name(target.device), "threads": torch.get_num_threads()}
+    speed = {way: entry["tokens_per_second"] for way, entry in totals.items()}
+    return {**totals, "pays": speed["lookup_first"] > speed["alone"],
+            "drafting_pays": max(speed["alone"], speed["lookup_first"]) > speed["no_drafts"], "tree": tree,
+            "prompts": len(prompts), "max_new_tokens": max_new_tokens, "device": device_name(target.device),
+            "threads": torch.get_num_threads()}
 
 
 # ---------------------------------------------------------------------------------------------- costs

@@ -81,6 +81,10 @@ def main(argv=None) -> int:
               f"{alone['new_tokens'] / alone['target_forwards']:.2f}), prompt lookup first "
               f"{first['tokens_per_second']:.1f} tokens/s (tau {first['new_tokens'] / first['target_forwards']:.2f}): "
               f"lookup first {'pays' if choice.lookup_first['pays'] else 'does not pay'}")
+        none = choice.lookup_first["no_drafts"]["tokens_per_second"]
+        print(f"no drafts (one token a forward, the same engine): {none:.1f} tokens/s: drafting "
+              + ("pays" if choice.lookup_first["drafting_pays"] else
+                 "does not pay on this machine, whose forward alone is faster than drafting with this drafter"))
     if args.write:
         choice.write(folder, drafter)
         print(f"wrote the tree and the statistics to {folder / 'config.json'}")

@@ -430,6 +430,9 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
     assert saved.config.resolve_tree(lookup["tree"]) == chosen and lookup["prompts"] == 3
     assert saved.config.lookup_first is lookup["pays"]
     assert ("lookup first pays" if lookup["pays"] else "lookup first does not pay") in printed
+    assert ("drafting pays" if lookup["drafting_pays"] else "drafting does not pay on this machine") in printed
+    card = (tmp_path / "drafter" / "README.md").read_text()
+    assert f"no drafts (one token a target forward through the same engine): {lookup['no_drafts']['tokens_per_second']:.1f}" in card
     assert isinstance(model.drafter, LookupFirstDrafter) is lookup["pays"]
 
 
@@ -455,12 +458,15 @@ def test_lookup_first_is_measured_both_ways_on_the_same_output(kind, monkeypatch
     propose = LookupFirstDrafter.propose
     monkeypatch.setattr(LookupFirstDrafter, "propose", lambda self, budget: steps.append(1) or propose(self, budget))
     result = calibrate.measure_lookup_first(t, drafter, ids, drafter.config.tree, max_new_tokens=12)
-    alone, first = result["alone"], result["lookup_first"]
-    assert alone["new_tokens"] == first["new_tokens"] == 3 * 12  # greedy: the same tokens either way
+    alone, first, none = result["alone"], result["lookup_first"], result["no_drafts"]
+    assert alone["new_tokens"] == first["new_tokens"] == none["new_tokens"] == 3 * 12  # greedy: the same tokens
     assert len(steps) >= first["target_forwards"] - 3  # every drafting step of that way went through lookup
-    for entry in (alone, first):
+    assert none["target_forwards"] == none["new_tokens"]  # no drafts: one token a forward, the prefill's included
+    for entry in (alone, first, none):
         assert entry["tokens_per_second"] == entry["new_tokens"] / entry["seconds"]
     assert result["pays"] is (first["tokens_per_second"] > alone["tokens_per_second"])
+    drafting = max(alone["tokens_per_second"], first["tokens_per_second"])
+    assert result["drafting_pays"] is (drafting > none["tokens_per_second"])
     with pytest.raises(ValueError, match="at least one held-out prompt"):
         calibrate.measure_lookup_first(t, drafter, [], drafter.config.tree)
 
