@@ -59,18 +59,24 @@ def _lean_target(arch: str):
     return target
 
 
-def _assert_same_forward(reference, lean, block, depth, ancestors, valid):
-    """`lean` on `block` after a two-row prompt (the first left-padded) gives the logits, hidden states and K/V
-    `reference` gives, to float rounding: sums run in another order (atol in units of the tensor's scale)."""
+def _forwards_after_prompt(reference, models, block, depth, ancestors, valid):
+    """Each of `models` on `block` after a two-row prompt (the first left-padded) whose K/V `reference` wrote: their
+    outputs (hidden states included) and caches."""
     prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     outs, caches = [], []
     with torch.no_grad():
-        for model in (reference, lean):
+        for model in models:
             kv = _after_prompt(reference, prompt, mask)
             outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
             caches.append(kv.cache)
-    expected, got = outs
+    return outs, caches
+
+
+def _assert_same_forward(reference, lean, block, depth, ancestors, valid):
+    """`lean` on `block` after a two-row prompt (the first left-padded) gives the logits, hidden states and K/V
+    `reference` gives, to float rounding: sums run in another order (atol in units of the tensor's scale)."""
+    (expected, got), caches = _forwards_after_prompt(reference, (reference, lean), block, depth, ancestors, valid)
 
     def close(a, b):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
@@ -630,13 +636,7 @@ def test_a_target_on_4bit_grids_is_verified_on_them_for_the_same_bits(rows):
     assert fp32.grid == [None] * target.config.num_hidden_layers
     block = torch.arange(2 * rows).remainder(90).add(2).view(2, rows)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
-    prompt, mask = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]]), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
-    outs, caches = [], []
-    with torch.no_grad():
-        for lean in (fp32, grid):
-            kv = _after_prompt(target, prompt, mask)
-            outs.append(forward_block(lean, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
-            caches.append(kv.cache)
+    outs, caches = _forwards_after_prompt(target, (fp32, grid), block, depth, ancestors, valid)
     assert torch.equal(outs[0].logits, outs[1].logits)
     assert all(torch.equal(a, b) for a, b in zip(outs[0].hidden_states, outs[1].hidden_states, strict=True))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
