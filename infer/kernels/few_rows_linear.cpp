@@ -165,6 +165,7 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
 // self-drafter computes what the target's verify computes.
 constexpr int64_t kGroup = 32;
 constexpr int kGroupVectors = kGroup / kLanes;
+// A grouped weight's q, scales (and offsets) from its first row on: the whole weight, or one row of it (row_of).
 struct Int4Groups {
   const uint8_t* q;
   const float* scale;
@@ -174,21 +175,10 @@ struct Int8Groups {
   const int8_t* q;
   const float* scale;
 };
-
-// One weight row of grouped weights: its q, scales (and offsets), from which groups are read.
-struct Int4Row {
-  const uint8_t* q;
-  const float* scale;
-  const float* low;
-};
-struct Int8Row {
-  const int8_t* q;
-  const float* scale;
-};
-inline Int4Row row_of(const Int4Groups& w, int64_t row, int64_t K) {
+inline Int4Groups row_of(const Int4Groups& w, int64_t row, int64_t K) {
   return {w.q + row * (K / 2), w.scale + row * (K / kGroup), w.low + row * (K / kGroup)};
 }
-inline Int8Row row_of(const Int8Groups& w, int64_t row, int64_t K) {
+inline Int8Groups row_of(const Int8Groups& w, int64_t row, int64_t K) {
   return {w.q + row * K, w.scale + row * (K / kGroup)};
 }
 
@@ -204,7 +194,7 @@ inline vec unfused(vec product) {
   return product;
 }
 
-inline GroupVectors load_group(const Int4Row& row, int64_t g) {
+inline GroupVectors load_group(const Int4Groups& row, int64_t g) {
   const uint8_t* q = row.q + g * (kGroup / 2);
   const float scale = row.scale[g], low = row.low[g];
   GroupVectors out;
@@ -229,7 +219,7 @@ inline GroupVectors load_group(const Int4Row& row, int64_t g) {
   return out;
 }
 
-inline GroupVectors load_group(const Int8Row& row, int64_t g) {
+inline GroupVectors load_group(const Int8Groups& row, int64_t g) {
   GroupVectors out;
   for (int v = 0; v < kGroupVectors; ++v) out.v[v] = load_lanes(row.q + g * kGroup + v * kLanes) * row.scale[g];
   return out;
@@ -245,7 +235,7 @@ inline void prefetch_l2(const void* p) { asm volatile("prefetcht2 %0" : : "m"(*s
 
 // Prefetches of what a row reads further on, issued at group g: once per 64-byte line of q, every 16 groups for
 // the scales (and offsets).
-inline void prefetch_group(const Int4Row& row, int64_t g) {
+inline void prefetch_group(const Int4Groups& row, int64_t g) {
   if (g % 4 == 0) {
     prefetch_l1(row.q + g * (kGroup / 2) + kPrefetch * sizeof(float));
     prefetch_l2(row.q + g * (kGroup / 2) + kPrefetchL2 * sizeof(float));
@@ -256,7 +246,7 @@ inline void prefetch_group(const Int4Row& row, int64_t g) {
   }
 }
 
-inline void prefetch_group(const Int8Row& row, int64_t g) {
+inline void prefetch_group(const Int8Groups& row, int64_t g) {
   if (g % 2 == 0) {
     prefetch_l1(row.q + g * kGroup + kPrefetch * sizeof(float));
     prefetch_l2(row.q + g * kGroup + kPrefetchL2 * sizeof(float));
@@ -270,7 +260,7 @@ inline void prefetch_group(const Int8Row& row, int64_t g) {
 template <int B, int R, typename W, typename = std::enable_if_t<!std::is_pointer_v<W>>>
 inline void tile(const float* x, const W& w, const float*, float* y, int64_t K, int64_t ldy, int64_t n) {
   vec acc[B][R] = {};
-  decltype(row_of(w, 0, K)) rows[B];
+  W rows[B];
   for (int b = 0; b < B; ++b) rows[b] = row_of(w, n + b, K);
   for (int64_t g = 0; g < K / kGroup; ++g) {
     GroupVectors qv[B];
