@@ -238,13 +238,35 @@ def int4_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     weight bit for bit, as for weights dequantized from GGUF's Q4_1 (the embedded SmolLM2's layers). The kernel
     rebuilds such weights in registers as `int4_weight` does and multiplies them as the fp32 weight, so it computes
     the same bits from a fifth of the bytes."""
+    return _exact(weight, int4_groups, int4_weight)
+
+
+def int8_exact(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`int8_groups(weight)` where those hold `weight` exactly (`int8_weight` gives back every weight bit for bit, as
+    for weights dequantized from GGUF's Q8_0: the embedded SmolLM2's tied embedding and LM head), else None. The
+    kernel computes the same bits from them as from the fp32 weight, from a quarter of the bytes."""
+    return _exact(weight, int8_groups, int8_weight)
+
+
+def exact_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    """The groups that hold `weight` exactly, the fewer bytes first: (q, scale, low) of 4-bit groups (`int4_exact`),
+    else (q, scale, None) of int8 groups (`int8_exact`), else None."""
+    groups = int4_exact(weight)
+    if groups is None:
+        groups = int8_exact(weight)
+        groups = None if groups is None else (*groups, None)
+    return groups
+
+
+def _exact(weight: torch.Tensor, find, rebuild):
+    """`find(weight)` where `rebuild` of it gives back `weight` bit for bit, else None."""
     if weight.dtype != torch.float32 or weight.dim() != 2 or not groups_fit(weight) or not _plain(weight):
         return None
     with torch.no_grad():
-        if not torch.equal(int4_weight(*int4_groups(weight[:1])), weight[:1]):  # most weights fail on their first row
+        if not torch.equal(rebuild(*find(weight[:1])), weight[:1]):  # most weights fail on their first row
             return None
-        groups = int4_groups(weight)
-        return groups if torch.equal(int4_weight(*groups), weight) else None
+        groups = find(weight)
+        return groups if torch.equal(rebuild(*groups), weight) else None
 
 
 class Int4Linear(nn.Module):
@@ -307,6 +329,12 @@ def int8_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale.contiguous()
 
 
+def int8_weight(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [N, K] that `int8_groups`' (q, scale) hold: q * scale, one fp32 product a weight (as the
+    kernel rebuilds it)."""
+    return (q.reshape(q.shape[0], -1, GROUP) * scale[..., None]).reshape(q.shape)
+
+
 class Int8Linear(nn.Module):
     """A linear layer whose weight is held as int8 (symmetric) with one scale a row, or with `group=True` one
     scale a group of `GROUP` inputs (`int8_groups`, GGUF's Q8_0: a weight dequantized from Q8_0 is held again
@@ -336,7 +364,7 @@ class Int8Linear(nn.Module):
     def weight_fp32(self) -> torch.Tensor:
         """The fp32 weight [out, in] this layer holds."""
         if self.group:
-            return (self.q.reshape(self.out_features, -1, GROUP) * self.scale[..., None]).reshape(self.q.shape)
+            return int8_weight(self.q, self.scale)
         return self.q.float() * self.scale[:, None]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -25,10 +25,12 @@ the engine makes one per generate call; the copies derived from them live in the
 - where the cache is the engine's growing one (`infer.kv.RoomyCache`), the whole layer is one kernel call
   (`decoder_layer`: q/k/v, rotary, K and V copied straight into the cache layer's buffers, then the tail), in
   place of transformers' cache update, a dozen small ops from Python a layer;
-- where a target's layer weights lie exactly on 4-bit grids (dequantized from a GGUF file's Q4_1, as the embedded
-  SmolLM2's are), blocks of up to 16 rows read them as 4-bit groups (`cpu_linear.int4_exact`, found once and kept in
-  the engine's `cpu_linear.PackCache`): the kernel rebuilds each weight to its fp32 bits in registers, so the forward
-  computes the same bits from a fifth of the bytes (SmolLM2's linears at one row 15.0 -> 5.3 ms, 2-core Xeon);
+- where a target's weights lie exactly on GGUF grids (dequantized from a GGUF file: the embedded SmolLM2's layers
+  from Q4_1, its tied LM head from Q8_0), blocks of up to 16 rows read them as 4-bit or int8 groups
+  (`cpu_linear.exact_groups`, found once and kept in the engine's `cpu_linear.PackCache`): the kernel rebuilds each
+  weight to its fp32 bits in registers, so the forward computes the same bits from a fifth (a quarter) of the bytes
+  (SmolLM2's linears at one row 15.0 -> 5.3 ms, 2-core Xeon; its LM head, where the full logits are read, 113 MB ->
+  31 MB);
 - where the caller reads only each node's argmax (the engine's greedy verify), the LM head's logits come from
   `infer.argmax_head.ArgmaxHead` (`argmax_head`): exact for the tokens that could be the argmax, -inf for the
   rest, from a quarter of the head's bytes.
@@ -99,11 +101,11 @@ class Linears:
         return kernel.Linears(list(self.weights), list(self.biases), list(self.scales), list(self.lows))
 
     def on_grid(self, packed: cpu_linear.PackCache) -> Linears | None:
-        """These fp32 weights as the 4-bit groups each lies on exactly (`cpu_linear.int4_exact`, found once per
-        weight and kept in `packed`), or None where one does not."""
+        """These fp32 weights as the 4-bit or int8 groups each lies on exactly (`cpu_linear.exact_groups`, found once
+        per weight and kept in `packed`), or None where one does not."""
         if self.quantized:
             return None
-        groups = [packed.derived(w, "int4 exact", cpu_linear.int4_exact) for w in self.weights]
+        groups = [packed.derived(w, "exact groups", cpu_linear.exact_groups) for w in self.weights]
         if any(g is None for g in groups):
             return None
         q, scales, lows = zip(*groups, strict=True)
@@ -132,7 +134,7 @@ class Layer:
         return tuple(getattr(self, name) for name in self.LINEARS)
 
     def on_grid(self, packed: cpu_linear.PackCache) -> Layer | None:
-        """This layer with every linear on its exact 4-bit grid (`Linears.on_grid`), or None where one is not."""
+        """This layer with every linear on its exact grid (`Linears.on_grid`), or None where one is not."""
         grid = [m.on_grid(packed) for m in self.linears]
         return None if None in grid else replace(self, **dict(zip(self.LINEARS, grid, strict=True)))
 
@@ -241,8 +243,8 @@ class LeanLayers:
     """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
     `cpu_linear.PackCache` for larger blocks (None: `F.linear`). Int8 weights run on the kernel at any size.
-    `grid`: per layer, the same layer with its weights on their exact 4-bit grid (`Layer.on_grid`) or None; blocks of
-    up to `GRID_ROWS` rows read those instead, for the same bits from a fifth of the bytes."""
+    `grid`: per layer, the same layer with its weights on their exact grids (`Layer.on_grid`) or None; blocks of up
+    to `GRID_ROWS` rows read those instead, for the same bits from a fifth (4-bit) or a quarter (int8) of the bytes."""
 
     GRID_ROWS = cpu_linear.Int4Linear.KERNEL_ROWS
 
@@ -377,9 +379,10 @@ class LeanForward(LeanLayers):
         runs. `quantized`: the model's linears, its LM head's too, are `cpu_linear.Int8Linear` or `Int4Linear` (the
         `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size.
 
-        An fp32 target whose layers' weights lie exactly on 4-bit grids (dequantized from GGUF's Q4_1, as the
-        embedded SmolLM2 is) runs blocks of up to `GRID_ROWS` rows on those (`Layer.on_grid`, found once per weight
-        and kept in `packed`): the same bits as from its fp32 weights, a fifth of the bytes to stream."""
+        An fp32 target whose weights lie exactly on GGUF grids (dequantized from Q4_1 or Q8_0, as the embedded
+        SmolLM2's are) runs blocks of up to `GRID_ROWS` rows on those (`Layer.on_grid`, found once per weight
+        and kept in `packed`): the same bits as from its fp32 weights, a fifth of the bytes to stream. Its LM head
+        too where the caller reads the full logits (sampling; not `argmax_only`)."""
         if quantized and argmax_only:
             raise ValueError("argmax_only reads an int8 copy of an fp32 LM head; a quantized model's head is one "
                              "already")
@@ -393,6 +396,7 @@ class LeanForward(LeanLayers):
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
         self.lm_head = Linears.of(target.get_output_embeddings())
+        self.lm_head_grid = None if grid is None or self.kernel is None else self.lm_head.on_grid(packed)
         self.argmax_head: ArgmaxHead | None = None
         if argmax_only and cpu_linear.streamed_kernel() is not None:
             self.argmax_head = packed.derived(self.lm_head.weights[0], "argmax", ArgmaxHead)
@@ -424,5 +428,6 @@ class LeanForward(LeanLayers):
             logits = self.argmax_head.logits(x.reshape(-1, x.shape[-1]), self.lm_head.biases[0])
             logits = logits.view(*x.shape[:-1], logits.shape[-1])
         else:
-            logits = self._linear(x, self.lm_head)
+            on_grid = self.lm_head_grid is not None and x.shape[0] * x.shape[1] <= self.GRID_ROWS
+            logits = self._linear(x, self.lm_head_grid if on_grid else self.lm_head)
         return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)

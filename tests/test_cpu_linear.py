@@ -316,6 +316,24 @@ def test_int4_exact_finds_a_gguf_grid_and_refuses_other_weights():
     assert cpu_linear.int4_exact(q4_1.double()) is None
 
 
+def test_int8_exact_finds_a_q8_0_grid_and_exact_groups_takes_the_fewest_bytes():
+    torch.manual_seed(0)
+    q8_0, q4_1 = on_gguf_grid(torch.randn(37, 96), "q8_0"), on_gguf_grid(torch.randn(37, 96), "q4_1")
+    q, scale = cpu_linear.int8_exact(q8_0)
+    assert q.dtype == torch.int8 and torch.equal(cpu_linear.int8_weight(q, scale), q8_0)
+    near = q8_0.clone()
+    near[20, 50] = torch.nextafter(near[20, 50], torch.tensor(1.0))  # one weight one bit off its grid
+    assert cpu_linear.int8_exact(near) is None
+    assert cpu_linear.int8_exact(torch.randn(37, 96)) is None
+    assert cpu_linear.int8_exact(q8_0[:, :80]) is None  # 80 inputs: not groups of 32
+    assert cpu_linear.int8_exact(q8_0.double()) is None
+    # 4-bit groups first where they hold the weight (a fifth of fp32's bytes), else int8 groups, else none
+    assert cpu_linear.exact_groups(q4_1)[0].dtype == torch.uint8
+    q, scale, low = cpu_linear.exact_groups(q8_0)
+    assert q.dtype == torch.int8 and low is None and torch.equal(cpu_linear.int8_weight(q, scale), q8_0)
+    assert cpu_linear.exact_groups(near) is None
+
+
 def test_grouped_weights_are_refused_by_name_when_malformed():
     kernel = _kernel()
     q4, scale, low = cpu_linear.int4_groups(torch.randn(8, 64))

@@ -590,12 +590,13 @@ def test_the_quantized_drafters_draft_lean_and_stay_exact(kind, monkeypatch):
     assert model.drafter.lean is None
 
 
-def _on_gguf_grids(target):
-    """`target` with its layers' weights on Q4_1's grid and its LM head on Q8_0's, as the embedded SmolLM2's are."""
+def _on_gguf_grids(target, layers: str = "q4_1"):
+    """`target` with its layers' weights on a GGUF grid (`layers`: Q4_1's, as the embedded SmolLM2's are, or Q8_0's)
+    and its LM head on Q8_0's."""
     with torch.no_grad():
         for module in [m for m in target.modules() if type(m) is nn.Linear]:
             module.weight.copy_(on_gguf_grid(module.weight, "q8_0" if module is target.get_output_embeddings()
-                                             else "q4_1"))
+                                             else layers))
     return target
 
 
@@ -624,16 +625,19 @@ def test_int4_drafts_the_targets_own_tokens_from_a_gguf_grid():
     assert any(accepted < nodes for nodes, accepted in steps), steps
 
 
+@pytest.mark.parametrize("layers,stored", [("q4_1", torch.uint8), ("q8_0", torch.int8)])
 @pytest.mark.parametrize("rows", [2, 5, 9, 16])
-def test_a_target_on_4bit_grids_is_verified_on_them_for_the_same_bits(rows):
-    """Blocks of up to 16 rows read a target's layers on the 4-bit grids they lie on: the same logits, hidden states
-    and K/V, bit for bit, as the kernel gives from the fp32 weights."""
+def test_a_target_on_gguf_grids_is_verified_on_them_for_the_same_bits(rows, layers, stored):
+    """Blocks of up to 16 rows read a target's layers (4-bit or int8 groups) and its LM head (int8 groups) on the
+    GGUF grids they lie on: the same logits, hidden states and K/V, bit for bit, as the kernel gives from the fp32
+    weights."""
     _kernel()
-    target = _on_gguf_grids(tiny_model("llama"))
+    target = _on_gguf_grids(tiny_model("llama"), layers)
     grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
-    assert all(layer is not None and layer.qkv.weights[0].dtype == torch.uint8 for layer in grid.grid)
+    assert all(layer is not None and layer.qkv.weights[0].dtype == stored for layer in grid.grid)
+    assert grid.lm_head_grid.weights[0].dtype == torch.int8
     fp32 = lean_forward.LeanForward(target, 16, None)  # no cache to keep the grids in: the fp32 weights
-    assert fp32.grid == [None] * target.config.num_hidden_layers
+    assert fp32.grid == [None] * target.config.num_hidden_layers and fp32.lm_head_grid is None
     block = torch.arange(2 * rows).remainder(90).add(2).view(2, rows)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
     outs, caches = _forwards_after_prompt(target, (fp32, grid), block, depth, ancestors, valid)
@@ -641,6 +645,23 @@ def test_a_target_on_4bit_grids_is_verified_on_them_for_the_same_bits(rows):
     assert all(torch.equal(a, b) for a, b in zip(outs[0].hidden_states, outs[1].hidden_states, strict=True))
     for a, b in zip(caches[0].layers, caches[1].layers, strict=True):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_one_row_reads_the_lm_head_on_its_grid_for_the_fp32_kernels_bits():
+    """Where the full logits are read (sampling), one row too takes the LM head's int8 groups: the bits the kernel
+    gives from the fp32 head, from a quarter of its bytes. An argmax-only forward keeps its int8 argmax head."""
+    kernel = _kernel()
+    target = _on_gguf_grids(tiny_model("llama"))
+    grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    block = torch.tensor([[11], [12]])
+    depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
+    (out,), _ = _forwards_after_prompt(target, (grid,), block, depth, ancestors, valid)
+    final = out.hidden_states[-1].reshape(2, -1)  # after the final norm
+    head = target.get_output_embeddings().weight
+    assert torch.equal(out.logits.view(2, -1), kernel.few_rows_linear_cat(final, [head], [None]))
+    argmax_only = lean_forward.LeanForward(target, 16, cpu_linear.PackCache(), argmax_only=True)
+    (out,), _ = _forwards_after_prompt(target, (argmax_only,), block, depth, ancestors, valid)
+    assert argmax_only.argmax_head is not None and out.logits.isinf().any()  # -inf where no argmax could be
 
 
 def test_generate_verifies_on_the_grids_and_stays_exact(monkeypatch):
