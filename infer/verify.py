@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampling import SamplingParams, logits_to_probs
+from .sampling import SamplingParams, logits_to_probs, sample
 from .tree import DraftTree
 
 
@@ -93,7 +93,7 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
                 if total > 0:  # == 0 only when p == q up to rounding: then rejection had probability 0
                     p = residual / total
             if accepted is None:
-                bonus.append(torch.multinomial(p, 1, generator=generator))
+                bonus.append(sample(p, generator)[None])
                 ends.append(node)
                 break
             node = accepted
@@ -123,5 +123,5 @@ def accept_typical(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
     best = torch.where(whole_path_matches, depth, -1).argmax(1)
     acc = _path_to(best, ancestors)
     last = probs[torch.arange(probs.shape[0]), best]
-    acc.bonus = torch.multinomial(last, 1, generator=generator)[:, 0]
+    acc.bonus = sample(last, generator)
     return acc

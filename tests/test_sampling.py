@@ -25,9 +25,10 @@ from transformers.generation.logits_process import (
 
 import heads
 import infer.engine
+import infer.sampling
 from infer import DraftModelDrafter, DraftTree, LookupFirstDrafter, SelfSpecModel
 from infer.drafting import Drafter
-from infer.sampling import logits_to_probs
+from infer.sampling import SamplingParams, logits_to_probs, sample
 from infer.verify import _path_to
 
 V = 8
@@ -175,3 +176,46 @@ def test_wrong_sampler_is_caught(target, monkeypatch):
     wrong = chi_square_p(joint, sampled_pairs(SelfSpecModel(target, draft), 1.0, 0, 1.0, seed=1))
     assert right > 1e-3
     assert wrong < 1e-6, f"the biased sampler went unnoticed (p={wrong:.2e})"
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 0.9), (0.7, 0, 0.95), (1.3, 50, 0.8), (0.7, 40, 1.0),
+                                                     (1.0, 0, 0.5)])
+def test_logits_to_probs_is_transformers_warpers(temperature, top_k, top_p):
+    """The nucleus found from the head of the distribution is the one transformers' TopPLogitsWarper finds by
+    sorting the whole vocabulary (SmolLM2's 49,152 tokens), on peaked rows (a nucleus of a few tokens), flat ones (a
+    nucleus past NUCLEUS_WIDTH: widened) and one flat over the whole vocabulary (past a quarter of it: transformers'
+    warper itself), with top-k before it and a tie at top-k's edge."""
+    g = torch.Generator().manual_seed(0)
+    vocab = 49152
+    peaked = torch.randn(3, vocab, generator=g) * 4
+    flat = torch.randn(2, vocab, generator=g) * 0.5
+    even = torch.zeros(1, vocab)
+    logits = torch.cat([peaked, flat, even])
+    logits[0, 7] = logits[0, 9] = logits[0].topk(40).values[-1]  # ties at the 40th value
+    params = SamplingParams(True, temperature, top_k, top_p)
+    expected = torch.softmax(params.warpers()(None, logits.clone()), -1)
+    got = logits_to_probs(logits.view(2, 3, vocab), params).view(6, vocab)
+    assert torch.equal(got > 0, expected > 0)
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+
+
+def test_sample_draws_each_token_with_its_probability_and_never_a_zero_one():
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0]).repeat(20000, 1)
+    tokens = sample(probs.view(100, 200, 6), torch.Generator().manual_seed(0))
+    assert tokens.shape == (100, 200)
+    counts = torch.bincount(tokens.flatten(), minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0
+    assert float(chisquare(counts[[1, 3, 4]].numpy(), (torch.tensor([0.5, 0.2, 0.3]) * 20000).numpy()).pvalue) > 1e-3
+    # unnormalized rows are read as their own total
+    assert sample(torch.tensor([[0.0, 3.0]]), torch.Generator().manual_seed(1)).item() == 1
+
+
+def test_sample_takes_the_last_possible_token_when_the_draw_rounds_up_to_the_total(monkeypatch):
+    monkeypatch.setattr(infer.sampling.torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=torch.float64))
+    assert sample(torch.tensor([[0.25, 0.75, 0.0, 0.0]])).item() == 1
+
+
+@pytest.mark.parametrize("row", [[0.5, float("nan")], [0.5, -0.1], [0.0, 0.0], [float("inf"), 1.0]])
+def test_sample_refuses_rows_that_are_not_distributions(row):
+    with pytest.raises(ValueError, match="finite, non-negative and not all zero"):
+        sample(torch.tensor([row]))
