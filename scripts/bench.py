@@ -29,6 +29,11 @@ included; greedy is 1.0 by definition), tokens/s, and speedups over both transfo
 median time over `--repeats`. Every greedy output must equal the baseline's token for token; mismatches are
 printed loudly, and `--strict` turns them into a nonzero exit.
 
+`--sample` times sampled generation instead (`--temperature`, `--top-p`, `--top-k`; the baseline is
+transformers' `generate(do_sample=True)` with the same settings). Sampled outputs are not compared: they
+follow the target's distribution, which tests/test_sampling.py checks; every method's run of a question starts
+from the same seed (`--seed` plus the question's place in the run).
+
     python scripts/bench.py --target smollm2-135m-instruct --questions ../shared/data/mt_bench.jsonl \\
         --drafter ngram --drafter runs/demo/drafter --out runs/bench/mt_bench
 
@@ -54,6 +59,7 @@ from pathlib import Path
 import torch
 
 BASELINE, PLD = "baseline", "pld"
+GREEDY = {"do_sample": False}
 
 
 # ---------------------------------------------------------------------------------------------- inputs
@@ -163,30 +169,33 @@ class ForwardCounter:
         self._handles = []
 
 
-def hf_method(target, name: str, **generate_kwargs) -> Method:
+def hf_method(target, name: str, sampling: dict | None = None, **generate_kwargs) -> Method:
+    """transformers' `generate`: greedy, or with `sampling`'s settings (do_sample, temperature, top_p, top_k)."""
     pad = target.generation_config.pad_token_id
     if pad is None:
         eos = target.generation_config.eos_token_id
         pad = eos[0] if isinstance(eos, list) else eos
 
     def run(input_ids, max_new_tokens):
-        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                              max_new_tokens=max_new_tokens, pad_token_id=pad, **generate_kwargs)
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new_tokens,
+                              pad_token_id=pad, **(sampling or GREEDY), **generate_kwargs)
         return out, {}
 
     return Method(name, run, engine="transformers")
 
 
 def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False,
-                  static_cache: bool = False, lean_verify: bool | None = None, int8_heads: bool = True) -> Method:
-    """`int8_heads`: SelfSpecModel's `int8_argmax` and `int8_draft_head` (False: the fp32 LM heads)."""
+                  static_cache: bool = False, lean_verify: bool | None = None, int8_heads: bool = True,
+                  sampling: dict | None = None) -> Method:
+    """`int8_heads`: SelfSpecModel's `int8_argmax` and `int8_draft_head` (False: the fp32 LM heads); `sampling`:
+    generate's sampling settings (None: greedy)."""
     from infer import SelfSpecModel
 
     model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache,
                           lean_verify=lean_verify, int8_argmax=int8_heads, int8_draft_head=int8_heads)
 
     def run(input_ids, max_new_tokens):
-        out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out = model.generate(input_ids, max_new_tokens=max_new_tokens, **(sampling or GREEDY))
         return out, dict(model.last_stats)
 
     return Method(name, run, reset=getattr(model.drafter, "clear", None), counts_forwards=True)
@@ -319,7 +328,7 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
     return Method(name, run, close=engine.close, engine="vllm", counts_forwards=True)
 
 
-def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
+def drafter_method(spec: str, target, tree: dict | None = None, sampling: dict | None = None) -> Method:
     base, options = spec, []
     while base.endswith(SUFFIXES):  # in any order
         suffix = next(s for s in SUFFIXES if base.endswith(s))
@@ -330,7 +339,7 @@ def drafter_method(spec: str, target, tree: dict | None = None) -> Method:
     return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
                          COMPILE_SUFFIX in options, STATIC_SUFFIX in options,
                          lean_verify=False if MODULES_SUFFIX in options else None,
-                         int8_heads=FP32_HEADS_SUFFIX not in options)
+                         int8_heads=FP32_HEADS_SUFFIX not in options, sampling=sampling)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -354,7 +363,8 @@ def _eos_ids(target, tokenizer) -> set[int]:
 def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *, max_new_tokens: int = 128,
               repeats: int = 1, turns: int = 1, warmup: bool = True, progress: bool = True,
               on_record: Callable[[dict], None] | None = None, timed_from_turn: int = 1,
-              passes: int = 1, done: list[dict] | None = None) -> dict:
+              passes: int = 1, done: list[dict] | None = None, sampling: dict | None = None,
+              seed: int = 0) -> dict:
     """Time every method on every question (interleaved), check greedy equality, aggregate per category.
 
     `methods[0]` is the reference every other method's output is compared with (the baseline). Later turns
@@ -364,6 +374,9 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
 
     `done`: records an interrupted run already measured (its records.jsonl); those questions are not timed
     again, and a later turn of one gets its history from an untimed reference run, as skipped turns do.
+
+    `sampling`: the methods sample (as they were made to; these are the settings recorded): outputs are not
+    compared, and every method's run of the i-th timed generation starts from torch's seed `seed + i`.
     """
     from tqdm.auto import tqdm
 
@@ -392,7 +405,7 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     records, history = list(done), {}
     mismatches = [{"question_id": rec["question_id"], "turn": rec["turn"], "method": name,
                    "engine": engines[name], "first_differing_token": None}
-                  for rec in done for name, r in rec["results"].items() if not r["matches_baseline"]]
+                  for rec in done for name, r in rec["results"].items() if r["matches_baseline"] is False]
     with torch.inference_mode():
         if warmup:  # first calls pay for allocator growth, kernel selection and lazy imports
             ids = render(tokenizer, [{"role": "user", "content": questions[0]["turns"][0]}]).to(target.device)
@@ -407,7 +420,8 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                     m.reset()
         work = [(p, q, t) for p in range(passes) for q in questions if len(q["turns"]) >= timed_from_turn
                 for t in range(min(turns, len(q["turns"])))]
-        for p, q, turn in tqdm(work, desc="bench", disable=not progress):
+        greedy = not (sampling or GREEDY)["do_sample"]
+        for i, (p, q, turn) in enumerate(tqdm(work, desc="bench", disable=not progress)):
             key, was_measured = (p, q["question_id"]), (p + 1, q["question_id"], turn + 1) in measured
             if was_measured and turn + 1 == min(turns, len(q["turns"])):  # no later turn needs its reply
                 continue
@@ -419,10 +433,11 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
                 reply = tokenizer.decode(_new_tokens(out, ids.shape[1], eos), skip_special_tokens=True)
                 history[key] = messages + [{"role": "assistant", "content": reply}]
                 continue
-            results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos)
+            results, outputs = _time_methods(methods, ids, max_new_tokens, repeats, counter, eos,
+                                             seed=None if greedy else seed + i)
             for name in results:
-                results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE]
-                if not results[name]["matches_baseline"]:
+                results[name]["matches_baseline"] = outputs[name] == outputs[BASELINE] if greedy else None
+                if results[name]["matches_baseline"] is False:
                     mismatches.append({"question_id": q["question_id"], "turn": turn + 1, "method": name,
                                        "engine": engines[name],
                                        "first_differing_token": _first_difference(outputs[name],
@@ -438,11 +453,13 @@ def run_bench(target, tokenizer, questions: list[dict], methods: list[Method], *
     return {"methods": names, "engines": engines, "questions": records, "mismatches": mismatches,
             "per_category": _aggregate(records, names, ideals),
             "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "turns": turns, "batch_size": 1,
-                         "greedy": True, "warmup": warmup, "timed_from_turn": timed_from_turn, "passes": passes}}
+                         "greedy": greedy, "sampling": None if greedy else {**sampling, "seed": seed},
+                         "warmup": warmup, "timed_from_turn": timed_from_turn, "passes": passes}}
 
 
-def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[dict, dict]:
-    """One prompt, every method, `repeats` rounds (methods interleaved within a round).
+def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos, seed: int | None = None) -> tuple[dict, dict]:
+    """One prompt, every method, `repeats` rounds (methods interleaved within a round). `seed`: the methods
+    sample, each run starting from this torch seed (None: greedy, and a repeated run must give the same output).
 
     Returns per-method measurements (median seconds over the rounds) and each method's new token ids.
     """
@@ -453,6 +470,8 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
             if m.before is not None:
                 m.before(outputs[BASELINE])  # the baseline runs first in every round
             counter.reset()
+            if seed is not None:
+                torch.manual_seed(seed)
             with contextlib.nullcontext() if m.counts_forwards else counter.counting():
                 tic = time.perf_counter()
                 out, stats = m.run(ids, max_new_tokens)
@@ -462,7 +481,7 @@ def _time_methods(methods, ids, max_new_tokens, repeats, counter, eos) -> tuple[
             r = results[m.name]
             r["seconds_all"].append(seconds)
             tokens = _new_tokens(out, ids.shape[1], eos)
-            if m.name in outputs and outputs[m.name] != tokens:
+            if seed is None and m.name in outputs and outputs[m.name] != tokens:
                 raise RuntimeError(f"{m.name} gave different greedy outputs on repeated runs of one prompt")
             outputs[m.name] = tokens
             # a method whose target runs elsewhere (vLLM) counts its own forwards
@@ -513,7 +532,7 @@ def _aggregate(records: list[dict], names: list[str], ideals: dict[str, float] |
             row[name] = {"questions": len(recs), "new_tokens": tokens, "seconds": round(seconds, 4),
                          "tokens_per_s": tokens / seconds if seconds else 0.0,
                          "tau": tokens / forwards if forwards else 0.0,
-                         "mismatches": sum(not r["results"][name]["matches_baseline"] for r in recs)}
+                         "mismatches": sum(r["results"][name]["matches_baseline"] is False for r in recs)}
             by_position = acceptance_by_position([r["results"][name] for r in recs])
             if by_position:
                 row[name]["acceptance_by_position"] = by_position
@@ -559,7 +578,10 @@ def acceptance_by_position(results: list[dict]) -> list[float]:
 # ---------------------------------------------------------------------------------------------- outputs
 def to_markdown(result: dict) -> str:
     methods, cats = result["methods"], list(result["per_category"])
-    lines = ["| category | method | tau | tokens/s | speedup vs greedy | speedup vs PLD | draft ms/step | "
+    s = result["settings"]
+    sampling = s.get("sampling")
+    versus = "speedup vs transformers sampling" if sampling else "speedup vs greedy"
+    lines = [f"| category | method | tau | tokens/s | {versus} | speedup vs PLD | draft ms/step | "
              "verify ms/step | mismatches |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for cat in cats:
@@ -572,8 +594,11 @@ def to_markdown(result: dict) -> str:
             lines.append(f"| {label} | {name} | {r['tau']:.2f} | {r['tokens_per_s']:.1f} | "
                          f"{r['speedup_vs_greedy']:.2f}x | {vs_pld} | {draft} | {verify} | {r['mismatches']} |")
     env = result.get("environment", {})
-    s = result["settings"]
-    foot = (f"\n{len(result['questions'])} generations, batch 1, greedy, max {s['max_new_tokens']} new tokens, "
+    how = "greedy"
+    if sampling:
+        how = (f"sampled (temperature {sampling['temperature']}, top-p {sampling['top_p']}, top-k {sampling['top_k']}, "
+               f"seed {sampling['seed']}; outputs not compared)")
+    foot = (f"\n{len(result['questions'])} generations, batch 1, {how}, max {s['max_new_tokens']} new tokens, "
             f"median of {s['repeats']} repeat(s)")
     if s.get("timed_from_turn", 1) > 1:
         foot += f", turn {s['timed_from_turn']} onwards timed (earlier turns answered by the baseline, untimed)"
@@ -631,7 +656,7 @@ def plot(result: dict, out_dir: Path) -> list[Path]:
         ax.bar(xs, [result["per_category"][c][name]["speedup_vs_greedy"] for c in cats], width, label=name)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks(range(len(cats)), cats, rotation=30, ha="right")
-    ax.set_ylabel("speedup vs transformers greedy")
+    ax.set_ylabel("speedup vs transformers " + ("sampling" if result["settings"].get("sampling") else "greedy"))
     ax.legend(fontsize=8)
     fig.tight_layout()
     paths.append(out_dir / "speedup.png")
@@ -714,6 +739,9 @@ def memory_floor(target) -> dict:
 
 
 def report_mismatches(result: dict) -> None:
+    if result["settings"].get("sampling"):
+        print("sampled: outputs are not compared (they follow the target's distribution: tests/test_sampling.py)")
+        return
     if not result["mismatches"]:
         print("greedy check: every output equals transformers' greedy output")
         return
@@ -767,6 +795,12 @@ def main(argv=None) -> int:
     parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
                         help="a vLLM row (vLLM's CPU build from `make vllm`, or --vllm-python): plain decoding, "
                              "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
+    parser.add_argument("--sample", action="store_true",
+                        help="time sampled generation (transformers' sampling as the baseline), not greedy")
+    parser.add_argument("--temperature", type=float, default=0.7, help="with --sample")
+    parser.add_argument("--top-p", type=float, default=0.9, help="with --sample (1 = no nucleus filter)")
+    parser.add_argument("--top-k", type=int, default=0, help="with --sample (0 = no top-k filter)")
+    parser.add_argument("--seed", type=int, default=0, help="with --sample: the first generation's torch seed")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 if any selfspec or transformers greedy output differs")
     parser.add_argument("--no-plots", action="store_true")
@@ -782,27 +816,32 @@ def main(argv=None) -> int:
     questions = load_questions(args.questions, args.limit, args.categories, args.per_category)
     if not questions:
         parser.error("no questions selected")
+    sampling = None
+    if args.sample:
+        if args.oracle or args.vllm:
+            parser.error("--sample times selfspec's and transformers' sampling; --oracle and --vllm rows are greedy")
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))
     target.to(args.device)
-    methods = [hf_method(target, BASELINE)]
+    methods = [hf_method(target, BASELINE, sampling)]
     if not args.no_pld:
-        methods.append(hf_method(target, PLD, prompt_lookup_num_tokens=args.pld_tokens))
+        methods.append(hf_method(target, PLD, sampling, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
-        methods.append(drafter_method(spec, target, parse_tree(args.tree)))
+        methods.append(drafter_method(spec, target, parse_tree(args.tree), sampling))
     methods += [oracle_method(target, alpha, args.oracle_depth) for alpha in args.oracle]
     if args.oracle_static:
         methods += [oracle_method(target, alpha, args.oracle_depth, static_cache=True) for alpha in args.oracle]
     try:
         for spec in args.vllm:
             methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out)))
-        return _run(args, argv, target, tokenizer, questions, methods)
+        return _run(args, argv, target, tokenizer, questions, methods, sampling)
     finally:
         for m in methods:
             if m.close is not None:
                 m.close()
 
 
-def _run(args, argv, target, tokenizer, questions, methods) -> int:
+def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | None) -> int:
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
 
@@ -823,7 +862,7 @@ def _run(args, argv, target, tokenizer, questions, methods) -> int:
     turns, timed_from = (max(args.turns, 2), 2) if args.second_turns else (args.turns, 1)
     result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
                        repeats=args.repeats, turns=turns, on_record=keep, timed_from_turn=timed_from,
-                       passes=args.passes, done=done)
+                       passes=args.passes, done=done, sampling=sampling, seed=args.seed)
     result["environment"] = environment(target, torch.get_num_threads())
     result["environment"]["load_average_before"] = load_before
     if done:  # the earlier part ran on another day or under another load: say so beside the numbers

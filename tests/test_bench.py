@@ -122,6 +122,36 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "engine_method", real)
 
 
+def test_sampled_runs_time_sampling_from_one_seed_and_compare_no_outputs(questions_file, tmp_path):
+    folder = tmp_path / "tiny"
+    tiny_target().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    argv = ["--target", str(folder), "--questions", str(questions_file), "--drafter", "ngram", "--no-pld",
+            "--max-new-tokens", "8", "--out", str(tmp_path / "sampled"), "--threads", "1", "--strict", "--no-plots",
+            "--sample", "--temperature", "1.3", "--top-p", "0.8", "--seed", "5"]
+    assert bench.main(argv) == 0
+    result = json.loads((tmp_path / "sampled" / "results.json").read_text())
+    assert result["settings"]["greedy"] is False
+    assert result["settings"]["sampling"] == {"do_sample": True, "temperature": 1.3, "top_p": 0.8, "top_k": 0,
+                                              "seed": 5}
+    assert all(r["matches_baseline"] is None for rec in result["questions"] for r in rec["results"].values())
+    assert result["mismatches"] == [] and result["per_category"]["overall"]["ngram"]["mismatches"] == 0
+    md = (tmp_path / "sampled" / "results.md").read_text()
+    assert "speedup vs transformers sampling" in md and "sampled (temperature 1.3, top-p 0.8, top-k 0, seed 5" in md
+    # every method's run starts from the seed: transformers' sampling twice gives the same tokens, another seed others
+    target, tokenizer = tiny_target(), tiny_tokenizer()
+    sampling = {"do_sample": True, "temperature": 1.3, "top_p": 0.8, "top_k": 0}
+    methods = [bench.hf_method(target, bench.BASELINE, sampling), bench.hf_method(target, "again", sampling)]
+    ids = bench.render(tokenizer, [{"role": "user", "content": "w10 w11 w12"}])
+    counter = bench.ForwardCounter(target)
+    _, outputs = bench._time_methods(methods, ids, 24, 1, counter, set(), seed=5)
+    assert outputs["baseline"] == outputs["again"]
+    _, other = bench._time_methods(methods, ids, 24, 1, counter, set(), seed=6)
+    assert other["baseline"] != outputs["baseline"]
+    with pytest.raises(SystemExit):  # the greedy-only rows
+        bench.main(argv + ["--oracle", "0.5"])
+
+
 def test_resume_measures_only_what_an_interrupted_run_left(questions_file, tmp_path, monkeypatch):
     folder = tmp_path / "tiny"
     tiny_target().save_pretrained(folder)
