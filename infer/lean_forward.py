@@ -396,10 +396,12 @@ class LeanForward(LeanLayers):
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
         self.lm_head = Linears.of(target.get_output_embeddings())
-        self.lm_head_grid = None if grid is None or self.kernel is None else self.lm_head.on_grid(packed)
         self.argmax_head: ArgmaxHead | None = None
+        self.lm_head_grid: Linears | None = None  # where the full logits are read, for blocks of up to GRID_ROWS
         if argmax_only and cpu_linear.streamed_kernel() is not None:
             self.argmax_head = packed.derived(self.lm_head.weights[0], "argmax", ArgmaxHead)
+        elif grid is not None and self.kernel is not None:
+            self.lm_head_grid = self.lm_head.on_grid(packed)
 
     @property
     def dtype(self) -> torch.dtype:

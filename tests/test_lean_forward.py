@@ -662,6 +662,7 @@ def test_one_row_reads_the_lm_head_on_its_grid_for_the_fp32_kernels_bits():
     argmax_only = lean_forward.LeanForward(target, 16, cpu_linear.PackCache(), argmax_only=True)
     (out,), _ = _forwards_after_prompt(target, (argmax_only,), block, depth, ancestors, valid)
     assert argmax_only.argmax_head is not None and out.logits.isinf().any()  # -inf where no argmax could be
+    assert argmax_only.lm_head_grid is None  # and no second copy of the head
 
 
 def test_generate_verifies_on_the_grids_and_stays_exact(monkeypatch):
