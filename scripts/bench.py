@@ -32,7 +32,7 @@ printed loudly, and `--strict` turns them into a nonzero exit.
 `--sample` times sampled generation instead (`--temperature`, `--top-p`, `--top-k`; the baseline is
 transformers' `generate(do_sample=True)` with the same settings). Sampled outputs are not compared: they
 follow the target's distribution, which tests/test_sampling.py checks; every method's run of a question starts
-from the same seed (`--seed` plus the question's place in the run).
+from the same seed (`--seed` plus the question's place in the run), vLLM rows' too.
 
     python scripts/bench.py --target smollm2-135m-instruct --questions ../shared/data/mt_bench.jsonl \\
         --drafter ngram --drafter runs/demo/drafter --out runs/bench/mt_bench
@@ -306,8 +306,10 @@ def vllm_speculation(spec: str) -> tuple[str, dict | None]:
     return f"vllm-{drafter_label(spec, drafter)}", config
 
 
-def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: Path) -> Method:
-    """vLLM's offline engine on the same prompts (see the module docstring), greedy, started once here."""
+def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: Path,
+                sampling: dict | None = None) -> Method:
+    """vLLM's offline engine on the same prompts (see the module docstring), started once here: greedy, or
+    sampled with `sampling`'s settings from the torch seed the run set (`torch.initial_seed()`)."""
     from train.vllm_engine import VLLMEngine
 
     name, config = vllm_speculation(spec)
@@ -317,7 +319,11 @@ def vllm_method(spec: str, target_name: str, dtype: str, threads: int, log_dir: 
                         log=log_dir / f"{name.replace(':', '_')}.log")
 
     def run(input_ids, max_new_tokens):
-        ids, counts = engine.generate_ids(input_ids[0].tolist(), max_new_tokens)
+        settings = None
+        if sampling is not None and sampling["do_sample"]:
+            settings = {"temperature": sampling["temperature"], "top_p": sampling["top_p"],
+                        "top_k": sampling["top_k"], "seed": torch.initial_seed()}
+        ids, counts = engine.generate_ids(input_ids[0].tolist(), max_new_tokens, settings)
         out = torch.cat([input_ids.cpu(), torch.tensor([ids], dtype=input_ids.dtype)], dim=1)
         if not counts:
             return out, {"target_forwards": len(ids)}
@@ -818,8 +824,8 @@ def main(argv=None) -> int:
         parser.error("no questions selected")
     sampling = None
     if args.sample:
-        if args.oracle or args.vllm:
-            parser.error("--sample times selfspec's and transformers' sampling; --oracle and --vllm rows are greedy")
+        if args.oracle:
+            parser.error("--sample: an --oracle row drafts the greedy answer; leave it out")
         sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
     target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))
     target.to(args.device)
@@ -833,7 +839,7 @@ def main(argv=None) -> int:
         methods += [oracle_method(target, alpha, args.oracle_depth, static_cache=True) for alpha in args.oracle]
     try:
         for spec in args.vllm:
-            methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out)))
+            methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out), sampling))
         return _run(args, argv, target, tokenizer, questions, methods, sampling)
     finally:
         for m in methods:

@@ -355,3 +355,15 @@ def test_vllm_rows_on_the_embedded_target(tmp_path):
     assert overall["vllm"]["tau"] == 1.0
     assert overall["vllm-ngram"]["acceptance_by_position"], "vLLM's n-gram counters recorded nothing"
     print(f"\nvLLM rows: mismatches {result['mismatches']}, n-gram tau {overall['vllm-ngram']['tau']:.2f}")
+    # sampled: vLLM draws with the settings and the torch seed the run set, so the same seed draws the same tokens
+    sampling = {"do_sample": True, "temperature": 1.0, "top_p": 0.95, "top_k": 0}
+    method = bench.vllm_method("plain", "smollm2-135m-instruct", "float32", 2, tmp_path, sampling)
+    ids = torch.tensor([[1, 9690, 198, 2683, 457, 253, 1234, 30, 2, 198, 1, 520, 9531, 198]])
+    draws = []
+    try:
+        for seed in (3, 3, 4):
+            torch.manual_seed(seed)
+            draws.append(method.run(ids, 24)[0])
+    finally:
+        method.close()
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])

@@ -98,10 +98,13 @@ class VLLMEngine:
         self.proc.stdin.flush()
         return [(text, finished) for text, finished in self._read("replies")]
 
-    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> tuple[list[int], dict | None]:
-        """One greedy generation from token ids: (new ids, eos included where it stopped; the spec-decode
-        counters it added, or None without speculation or log_stats)."""
-        self.proc.stdin.write(json.dumps({"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens}) + "\n")
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int,
+                     sampling: dict | None = None) -> tuple[list[int], dict | None]:
+        """One generation from token ids, greedy, or sampled with `sampling`'s temperature, top_p, top_k and seed:
+        (new ids, eos included where it stopped; the spec-decode counters it added, or None without speculation
+        or log_stats)."""
+        request = {"prompt_ids": prompt_ids, "max_new_tokens": max_new_tokens, **(sampling or {})}
+        self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         line = self._read_line()
         return line["ids"], line["spec"]

@@ -6,7 +6,8 @@ Requests, one of:
 - {"histories": [[{"role", "content"}, ...], ...], "max_new_tokens", "temperature", "top_p", "seed"}: chat
   replies, answered {"replies": [[text, finished], ...]} in the same order, `finished` False when
   max_new_tokens cut it;
-- {"prompt_ids": [...], "max_new_tokens"}: one greedy generation from token ids, answered {"ids": [...],
+- {"prompt_ids": [...], "max_new_tokens"} and, to sample, "temperature", "top_p", "top_k", "seed": one generation
+  from token ids (greedy without a temperature), answered {"ids": [...],
   "spec": {"drafts", "draft_tokens", "accepted", "per_position": [...]}}, the spec-decode counters this
   request added (zeros without speculation; counted only with --log-stats).
 The first line written is {"ready": true}. Everything vLLM prints goes to stderr.
@@ -64,7 +65,9 @@ def main() -> None:
         request = json.loads(line)
         if "prompt_ids" in request:
             before = spec_counters(llm) if args.log_stats and spec else None
-            params = SamplingParams(max_tokens=request["max_new_tokens"], temperature=0.0)
+            params = SamplingParams(max_tokens=request["max_new_tokens"], temperature=request.get("temperature", 0.0),
+                                    top_p=request.get("top_p", 1.0), top_k=request.get("top_k", 0),
+                                    seed=request.get("seed"))
             out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt_ids"])], params, use_tqdm=False)
             counts = difference(spec_counters(llm), before) if before is not None else None
             protocol.write(json.dumps({"ids": list(out[0].outputs[0].token_ids), "spec": counts}) + "\n")
