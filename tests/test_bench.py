@@ -169,8 +169,8 @@ def test_resume_measures_only_what_an_interrupted_run_left(questions_file, tmp_p
     (out / "records.jsonl").write_text(records[0] + "\n")
     timed = []
     real = bench._time_methods
-    monkeypatch.setattr(bench, "_time_methods", lambda methods, ids, *rest: timed.append(ids.shape[1])
-                        or real(methods, ids, *rest))
+    monkeypatch.setattr(bench, "_time_methods", lambda methods, ids, *rest, **options: timed.append(ids.shape[1])
+                        or real(methods, ids, *rest, **options))
     assert bench.main([*argv, "--resume"]) == 0
     resumed = json.loads((out / "results.json").read_text())
     assert len(timed) == 2
