@@ -51,6 +51,7 @@ aside (`user_hooks`): a hook on the user's model must see every forward.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -91,7 +92,7 @@ class Linears:
         lows = tuple(getattr(m, "low", None) for m in linears)
         return cls(weights, tuple(m.bias for m in linears), scales, lows, all(w.is_contiguous() for w in weights))
 
-    @property
+    @functools.cached_property  # read for every layer of every forward
     def quantized(self) -> bool:
         """Some weight is int8 or 4-bit: only the streamed kernel runs it."""
         return any(s is not None for s in self.scales)
@@ -129,7 +130,7 @@ class Layer:
 
     LINEARS = ("qkv", "o", "gate_up", "down")  # in the order the kernel's one-layer calls take them
 
-    @property
+    @functools.cached_property  # read for every layer of every forward
     def linears(self) -> tuple[Linears, ...]:
         return tuple(getattr(self, name) for name in self.LINEARS)
 
