@@ -303,35 +303,31 @@ def test_grouped_weights_give_the_bits_of_the_fp32_weights_they_hold_beside_fp32
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-3)  # sums of ~1,000: float rounding
 
 
-def test_int4_exact_finds_a_gguf_grid_and_refuses_other_weights():
+@pytest.mark.parametrize("kind,exact,rebuild,stored", [
+    ("q4_1", cpu_linear.int4_exact, cpu_linear.int4_weight, torch.uint8),
+    ("q8_0", cpu_linear.int8_exact, cpu_linear.int8_weight, torch.int8)])
+def test_exact_groups_find_a_gguf_grid_and_refuse_other_weights(kind, exact, rebuild, stored):
     torch.manual_seed(0)
-    q4_1 = on_gguf_grid(torch.randn(37, 96), "q4_1")
-    q, scale, low = cpu_linear.int4_exact(q4_1)
-    assert torch.equal(cpu_linear.int4_weight(q, scale, low), q4_1)
-    near = q4_1.clone()
+    grid = on_gguf_grid(torch.randn(37, 96), kind)
+    groups = exact(grid)
+    assert groups[0].dtype == stored and torch.equal(rebuild(*groups), grid)
+    near = grid.clone()
     near[20, 50] = torch.nextafter(near[20, 50], torch.tensor(1.0))  # one weight one bit off its grid
-    assert cpu_linear.int4_exact(near) is None
-    assert cpu_linear.int4_exact(torch.randn(37, 96)) is None
-    assert cpu_linear.int4_exact(q4_1[:, :80]) is None  # 80 inputs: not groups of 32
-    assert cpu_linear.int4_exact(q4_1.double()) is None
+    assert exact(near) is None
+    assert exact(torch.randn(37, 96)) is None
+    assert exact(grid[:, :80]) is None  # 80 inputs: not groups of 32
+    assert exact(grid.double()) is None
+    assert cpu_linear.exact_groups(near) is None
 
 
-def test_int8_exact_finds_a_q8_0_grid_and_exact_groups_takes_the_fewest_bytes():
+def test_exact_groups_take_the_fewest_bytes():
+    """4-bit groups first where they hold the weight (a fifth of fp32's bytes), else int8 groups, else none."""
     torch.manual_seed(0)
     q8_0, q4_1 = on_gguf_grid(torch.randn(37, 96), "q8_0"), on_gguf_grid(torch.randn(37, 96), "q4_1")
-    q, scale = cpu_linear.int8_exact(q8_0)
-    assert q.dtype == torch.int8 and torch.equal(cpu_linear.int8_weight(q, scale), q8_0)
-    near = q8_0.clone()
-    near[20, 50] = torch.nextafter(near[20, 50], torch.tensor(1.0))  # one weight one bit off its grid
-    assert cpu_linear.int8_exact(near) is None
-    assert cpu_linear.int8_exact(torch.randn(37, 96)) is None
-    assert cpu_linear.int8_exact(q8_0[:, :80]) is None  # 80 inputs: not groups of 32
-    assert cpu_linear.int8_exact(q8_0.double()) is None
-    # 4-bit groups first where they hold the weight (a fifth of fp32's bytes), else int8 groups, else none
     assert cpu_linear.exact_groups(q4_1)[0].dtype == torch.uint8
     q, scale, low = cpu_linear.exact_groups(q8_0)
     assert q.dtype == torch.int8 and low is None and torch.equal(cpu_linear.int8_weight(q, scale), q8_0)
-    assert cpu_linear.exact_groups(near) is None
+    assert cpu_linear.exact_groups(torch.randn(37, 96)) is None
 
 
 def test_grouped_weights_are_refused_by_name_when_malformed():
