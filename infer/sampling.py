@@ -101,9 +101,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
         raise ValueError("sample: every row of probabilities must be finite, non-negative and not all zero")
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=flat.device) * total
     token = torch.searchsorted(cdf, u, right=True)[:, 0]
-    # u rounds up to the total only where the draw is within an ulp of 1: then the last token of nonzero probability
-    last = flat.shape[-1] - 1 - (flat.flip(-1) > 0).int().argmax(-1)
-    return torch.minimum(token, last).reshape(probs.shape[:-1])
+    past = token == flat.shape[-1]  # u rounded up to the total (a draw within an ulp of 1): no token's sum exceeds it
+    if past.any():  # then the last token of nonzero probability
+        last = flat.shape[-1] - 1 - (flat.flip(-1) > 0).int().argmax(-1)
+        token = torch.where(past, last, token)
+    return token.reshape(probs.shape[:-1])
 
 
 def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None):
