@@ -103,6 +103,20 @@ inline vec4 sum_lanes4(vec a, vec b, vec c, vec d) {
   return __builtin_shufflevector(x, x, 0, 2, 4, 6) + __builtin_shufflevector(x, x, 1, 3, 5, 7);
 }
 
+// acc + w * x in one rounding (an FMA instruction), written out: left to the compiler, `acc += w * x` is an FMA or
+// a product and a sum by its tuning's heuristics, loop by loop. GCC 12 tuning for AMD (znver3, which -march=native
+// picks on a Zen 5 EPYC) avoids 256-bit FMA chains, and turned tile()'s one-row fp32 loop into products and sums
+// while the grouped tile's stayed FMAs: the AVX2 build's two readings of one weight then differed in the last bit.
+inline vec fma_lanes(vec w, vec x, vec acc) {
+#if defined(__AVX512F__)
+  return std::bit_cast<vec>(_mm512_fmadd_ps(std::bit_cast<__m512>(w), std::bit_cast<__m512>(x),
+                                            std::bit_cast<__m512>(acc)));
+#else
+  return std::bit_cast<vec>(_mm256_fmadd_ps(std::bit_cast<__m256>(w), std::bit_cast<__m256>(x),
+                                            std::bit_cast<__m256>(acc)));
+#endif
+}
+
 // kLanes weights from w as fp32: a plain load, or int8 widened (one sign extension and one conversion; the
 // generic vector conversion of an int8 vector is not compiled to those two instructions).
 inline vec load_lanes(const float* w) { return *reinterpret_cast<const vec*>(w); }
@@ -140,7 +154,7 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
     }
     for (int r = 0; r < R; ++r) {
       vec xv = *reinterpret_cast<const vec*>(x + r * K + k);
-      for (int b = 0; b < B; ++b) acc[b][r] += wv[b] * xv;
+      for (int b = 0; b < B; ++b) acc[b][r] = fma_lanes(wv[b], xv, acc[b][r]);
     }
   }
   for (int b = 0; b < B; ++b) {
@@ -275,7 +289,8 @@ inline void tile(const float* x, const W& w, const float*, float* y, int64_t K, 
 #pragma GCC unroll 4
       for (int b = 0; b < B; ++b) {
 #pragma GCC unroll 4
-        for (int v = 0; v < kGroupVectors; ++v) acc[b][r] += qv[b].v[v] * load_lanes(xg + v * kLanes);
+        for (int v = 0; v < kGroupVectors; ++v)
+          acc[b][r] = fma_lanes(qv[b].v[v], load_lanes(xg + v * kLanes), acc[b][r]);
       }
     }
   }
