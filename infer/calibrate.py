@@ -595,16 +595,30 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
 
 # ---------------------------------------------------------------------------------------------- helpers
 def device_name(device: torch.device) -> str:
-    """The GPU's or CPU's model name: what a cost curve is cached under."""
+    """The GPU's name, or the CPU's (`cpu_name`): what a cost curve is cached under."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        name = cpu_name(Path("/proc/cpuinfo").read_text())
     except OSError:
-        pass
-    return platform.processor() or platform.machine() or device.type
+        name = None
+    return name or platform.processor() or platform.machine() or device.type
+
+
+def cpu_name(cpuinfo: str) -> str | None:
+    """The first CPU's model name in /proc/cpuinfo's text, with its family and model numbers where given. A virtual
+    machine's model name can be as bare as "AMD EPYC" on a Zen 3 with AVX2 and on a Zen 5 with AVX-512, whose
+    kernels and costs differ; the numbers tell them apart."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        key, sep, value = line.partition(":")
+        if sep and key.strip() in ("model name", "cpu family", "model"):
+            fields.setdefault(key.strip(), value.strip())
+    if "model name" not in fields:
+        return None
+    if "cpu family" in fields and "model" in fields:
+        return f"{fields['model name']} (family {fields['cpu family']}, model {fields['model']})"
+    return fields["model name"]
 
 
 def _fingerprint(model) -> str:

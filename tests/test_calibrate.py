@@ -235,6 +235,19 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
 
 
+def test_two_cpus_of_one_bare_model_name_keep_their_own_costs():
+    """A cloud VM's /proc/cpuinfo may name a Zen 3 (AVX2) and a Zen 5 (AVX-512) both "AMD EPYC": their family and model
+    numbers keep the cost curves and trees cached for one from being read on the other."""
+    zen3 = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
+    zen5 = zen3.replace(": 25", ": 26").replace(": 1\n", ": 2\n")
+    names = calibrate.cpu_name(zen3), calibrate.cpu_name(zen5)
+    assert names == ("AMD EPYC (family 25, model 1)", "AMD EPYC (family 26, model 2)")
+    assert calibrate.cpu_name(zen5 + "processor\t: 1\ncpu family\t: 25\n") == names[1]  # the first CPU's
+    assert calibrate.cpu_name("model name\t: Some CPU\n") == "Some CPU"
+    assert calibrate.cpu_name("Features\t: neon\n") is None  # no model name: device_name falls back to platform
+    assert calibrate.device_name(torch.device("cpu"))
+
+
 def test_calibrated_tree_needs_statistics_and_a_trained_drafter():
     t = target()
     with pytest.raises(ValueError, match="scripts/calibrate.py"):
