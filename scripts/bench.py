@@ -703,14 +703,9 @@ def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> dict
 def environment(target, threads: int) -> dict:
     import transformers
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    from infer.calibrate import device_name
+
+    cpu = device_name(torch.device("cpu"))  # model name, family and model: one bare name can cover two CPUs
     try:
         import subprocess
 
