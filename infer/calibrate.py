@@ -287,7 +287,7 @@ def measure_lookup_first(target, drafter, prompts: list[torch.Tensor], tree: dic
 # ---------------------------------------------------------------------------------------------- costs
 def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
     """Median seconds of one forward over n new tokens after a `context`-token prefix, per n (each timed
-    `repeats` times after a warm-up)."""
+    `repeats` times after a warm-up, from evicted caches on a CPU as `median_seconds` times)."""
     vocab = model.config.get_text_config().vocab_size
     device = model.device
     g = torch.Generator().manual_seed(0)
@@ -301,6 +301,8 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
             times = []
             for _ in range(repeats + 1):  # the first run is a warm-up
                 kv = copy.deepcopy(cache)
+                if device.type == "cpu":
+                    _eviction_buffer().add_(1.0)  # the weights out of the caches, as median_seconds runs start
                 _sync(device)
                 tic = time.perf_counter()
                 model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv})
@@ -327,7 +329,7 @@ def block_costs(target, model, context: int, sizes: list[int], repeats: int) -> 
         for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
             depth, ancestors, valid = prompt_tree(torch.ones_like(ids))
-            out[n] = _median_seconds(lambda: forward_block(model, kv, depth, ancestors, valid, input_ids=ids),  # noqa: B023 -- run in this iteration
+            out[n] = median_seconds(lambda: forward_block(model, kv, depth, ancestors, valid, input_ids=ids),  # noqa: B023 -- run in this iteration
                                      repeats, device, after=lambda: kv.rollback(start))
     return out
 
@@ -421,6 +423,7 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         # greedy, as calibration measures acceptance: the verify reads each node's argmax only
         model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache(), argmax_only=True) if lean else target
         costs = block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
+    _eviction_buffer.cache_clear()  # its 128 MB are not kept past the measurement
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
     return seconds
@@ -460,8 +463,9 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
             step.bind(target, SamplingParams(), 1)
             step.observe(prompt)
             if observe is None:
-                observe = _median_seconds(lambda s=step: s.observe(accepted), repeats, device)
-            timed[key] = _median_seconds(lambda s=step: s.propose(budget), repeats, device)
+                observe = median_seconds(lambda s=step: s.observe(accepted), repeats, device)
+            timed[key] = median_seconds(lambda s=step: s.propose(budget), repeats, device)
+    _eviction_buffer.cache_clear()
     return [observe + timed[key] for key in keys]
 
 
@@ -680,10 +684,11 @@ EVICT_BYTES = 128 << 20  # written before each timed CPU run: more than a last-l
 
 @functools.cache
 def _eviction_buffer() -> torch.Tensor:
+    """Made once per measurement of many timed runs; verify_costs and draft_costs free it when done."""
     return torch.zeros(EVICT_BYTES // 4)
 
 
-def _median_seconds(fn, repeats: int, device: torch.device, after=None) -> float:
+def median_seconds(fn, repeats: int, device: torch.device, after=None) -> float:
     """Median seconds of `fn()` over `repeats` runs after a warm-up; `after()`, untimed, follows each run.
 
     On a CPU each run starts with its weights out of the caches, as in generation, where the target's forward and

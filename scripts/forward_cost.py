@@ -7,7 +7,8 @@ with oneDNN's prepacked weights, and once as SelfSpecModel ran it on CPU before 
 up to `stream_rows` rows on the streamed kernel, larger ones prepacked (infer/cpu_linear.py). The last two
 columns time a verify block as the engine runs it now, in its own KV cache under its tree mask (what tree
 calibration times): through the model's modules (`lean_verify=False`), and through the lean forward
-(infer/lean_forward.py) where the target takes it.
+(infer/lean_forward.py) where the target takes it. On a CPU every timed forward starts with the weights out of
+the caches (128 MB written before it), as in generation, where the drafter's pass comes between two verifies.
 
     python scripts/forward_cost.py --target smollm2-135m-instruct --context 256
 """
@@ -17,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import time
 
 import torch
 
-from infer.calibrate import block_costs, forward_cost, stream_rows  # timings as calibration runs them
+# timed as calibration times
+from infer.calibrate import block_costs, forward_cost, median_seconds, stream_rows
 
 
 def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:
@@ -45,13 +45,10 @@ def static_forward_cost(model, context: int, sizes: list[int], repeats: int, com
         for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=g)
             depth, ancestors, valid = prompt_tree(torch.ones_like(ids))  # a chain: the widest attention a tree has
-            times = []
-            for _ in range(repeats + 1):  # the first run is a warm-up (and the compile)
-                tic = time.perf_counter()
-                kv.forward_tree(run, depth, ancestors, valid, input_ids=ids, use_cache=True)
-                times.append(time.perf_counter() - tic)
-                kv.rollback(context)
-            out[n] = statistics.median(times[1:])
+            # the first run is a warm-up (and the compile)
+            out[n] = median_seconds(lambda: kv.forward_tree(run, depth, ancestors, valid, input_ids=ids,  # noqa: B023
+                                                             use_cache=True),
+                                     repeats, prefix.device, after=lambda: kv.rollback(context))
     return out
 
 
