@@ -298,17 +298,12 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
         for n in sizes:
             ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
             pos = torch.arange(context, context + n, device=device)[None]
-            times = []
-            for _ in range(repeats + 1):  # the first run is a warm-up
-                kv = copy.deepcopy(cache)
-                if device.type == "cpu":
-                    _eviction_buffer().add_(1.0)  # the weights out of the caches, as median_seconds runs start
-                _sync(device)
-                tic = time.perf_counter()
-                model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv})
-                _sync(device)
-                times.append(time.perf_counter() - tic)
-            out[n] = statistics.median(times[1:])
+            kv = [copy.deepcopy(cache)]  # each run extends a fresh copy of the prefix's cache
+
+            def run():
+                model(ids, position_ids=pos, use_cache=True, **{cache_argument(model): kv[0]})  # noqa: B023
+
+            out[n] = median_seconds(run, repeats, device, after=lambda: kv.__setitem__(0, copy.deepcopy(cache)))  # noqa: B023
     return out
 
 
