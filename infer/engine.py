@@ -191,7 +191,7 @@ class SelfSpecModel:
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
                  cpu_prepack: bool | None = None, lookup_first: bool | None = None, compile: bool = False,
                  static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
-                 lean_verify: bool | None = None, int8_argmax: bool = True, int8_draft_head: bool = True):
+                 lean_verify: bool | None = None, int8_argmax: bool = True, int8_drafter: bool = True):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
         `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
@@ -241,10 +241,12 @@ class SelfSpecModel:
         bytes (SmolLM2-135M: 28 MB instead of 113 MB a verify, about 2 ms less on a 2-core CPU); the copy is
         kept here while the weight is unchanged. False = the full fp32 head always.
 
-        `int8_draft_head`: where an EAGLE-3 drafter's forward runs lean, score its draft vocabulary from an
-        int8 copy of its LM head (`heads.eagle3.lean.LeanEagle3`): drafting reads a quarter of the head's bytes
-        (the shipped drafter: 0.8 ms less a step here) and may rank near-ties otherwise; the output is the
-        same. False = its fp32 head."""
+        `int8_drafter`: where an EAGLE-3 drafter's forward runs lean, draft from int8 copies of its weights
+        (`heads.eagle3.lean.LeanEagle3`): its draft vocabulary scored from its LM head's, and every draft step (not
+        the prompt) through its `fc` and layers' on the streamed kernel. Drafting reads a quarter of the bytes
+        (the shipped drafter: 0.8 ms less a step for the head on the 2-core Xeon, and on the Zen 5 EPYC its
+        linears at one row 0.17 ms against 1.18 in fp32) and may rank near-ties otherwise; the output is the
+        same. False = its fp32 weights."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
@@ -297,13 +299,13 @@ class SelfSpecModel:
                 raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
                                  "to use it where it can, or False")
         self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
-        for name, value in (("int8_argmax", int8_argmax), ("int8_draft_head", int8_draft_head)):
+        for name, value in (("int8_argmax", int8_argmax), ("int8_drafter", int8_drafter)):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         self.int8_argmax = int8_argmax
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
             own.lean_forwards(self._stream_rows if lean_verify is not False and self.cpu_prepack else None,
-                              int8_head=int8_draft_head)
+                              int8=int8_drafter)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 

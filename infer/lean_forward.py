@@ -112,6 +112,13 @@ class Linears:
         q, scales, lows = zip(*groups, strict=True)
         return Linears(q, self.biases, scales, lows, True)
 
+    def int8_rows(self, packed: cpu_linear.PackCache) -> Linears:
+        """These fp32 weights as int8 rows with one scale each (`cpu_linear.int8_rows`, made once per weight and
+        kept in `packed`): a quarter of the bytes, products near the fp32 ones, not the same bits. For a drafter,
+        whose drafts the verify checks, never for the target."""
+        q, scales = zip(*(packed.derived(w, "int8 rows", cpu_linear.int8_rows) for w in self.weights), strict=True)
+        return Linears(q, self.biases, scales, (None,) * len(q), True)
+
 
 @dataclass(frozen=True)
 class Layer:
@@ -138,6 +145,10 @@ class Layer:
         """This layer with every linear on its exact grid (`Linears.on_grid`), or None where one is not."""
         grid = [m.on_grid(packed) for m in self.linears]
         return None if None in grid else replace(self, **dict(zip(self.LINEARS, grid, strict=True)))
+
+    def int8_rows(self, packed: cpu_linear.PackCache) -> Layer:
+        """This layer with every linear as int8 rows (`Linears.int8_rows`): a drafter's, never the target's."""
+        return replace(self, **{name: getattr(self, name).int8_rows(packed) for name in self.LINEARS})
 
 
 class Unsupported(ValueError):
@@ -244,21 +255,24 @@ class LeanLayers:
     """What both lean forwards share: RMSNorm, linears on the kernel or torch, and a Llama-layout layer.
     `stream_rows`: blocks of 2..stream_rows rows run on the streamed kernel; `packed`: a
     `cpu_linear.PackCache` for larger blocks (None: `F.linear`). Int8 weights run on the kernel at any size.
-    `grid`: per layer, the same layer with its weights on their exact grids (`Layer.on_grid`) or None; blocks of up
-    to `GRID_ROWS` rows read those instead, for the same bits from a fifth (4-bit) or a quarter (int8) of the bytes."""
+    `compact`: per layer, the same layer with its weights in fewer bytes, or None; blocks of up to `COMPACT_ROWS`
+    rows read those instead. The target's are its weights on their exact grids (`Layer.on_grid`): the same bits
+    from a fifth (4-bit) or a quarter (int8) of the bytes. A drafter's may be int8 rows (`Layer.int8_rows`): a
+    quarter of the bytes and products near the fp32 ones, as its drafts need not be exact."""
 
-    GRID_ROWS = cpu_linear.Int4Linear.KERNEL_ROWS
+    COMPACT_ROWS = cpu_linear.Int4Linear.KERNEL_ROWS
 
     def __init__(self, layers: list, stream_rows: int, packed: cpu_linear.PackCache | None,
-                 grid: list[Layer | None] | None = None):
+                 compact: list[Layer | None] | None = None):
         self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
-        self.grid = grid or [None] * len(layers)
-        quantized = any(m.quantized for layer in layers + [g for g in self.grid if g is not None] for m in layer.linears)
+        self.compact = compact or [None] * len(layers)
+        quantized = any(m.quantized for layer in layers + [c for c in self.compact if c is not None]
+                        for m in layer.linears)
         self.kernel = cpu_linear.streamed_kernel() if stream_rows > 1 or quantized else None
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
         self.native = [] if self.kernel is None else [natives(layer) for layer in layers]
-        self.grid_native = [None if g is None or self.kernel is None else natives(g) for g in self.grid]
+        self.compact_native = [None if c is None or self.kernel is None else natives(c) for c in self.compact]
 
     @classmethod
     def read_or_refuse(cls, read, model, what: str) -> list:
@@ -284,8 +298,8 @@ class LeanLayers:
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
         native = self.native[index] if self.native else None
-        if self.grid_native[index] is not None and b * n <= self.GRID_ROWS:
-            layer, native = self.grid[index], self.grid_native[index]
+        if self.compact_native[index] is not None and b * n <= self.COMPACT_ROWS:
+            layer, native = self.compact[index], self.compact_native[index]
         if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
             stream = self._streamed(b * n, *layer.linears)
             if stream or b * n == 1:
@@ -381,7 +395,7 @@ class LeanForward(LeanLayers):
         `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size.
 
         An fp32 target whose weights lie exactly on GGUF grids (dequantized from Q4_1 or Q8_0, as the embedded
-        SmolLM2's are) runs blocks of up to `GRID_ROWS` rows on those (`Layer.on_grid`, found once per weight
+        SmolLM2's are) runs blocks of up to `COMPACT_ROWS` rows on those (`Layer.on_grid`, found once per weight
         and kept in `packed`): the same bits as from its fp32 weights, a fifth of the bytes to stream. Its LM head
         too where the caller reads the full logits (sampling; not `argmax_only`)."""
         if quantized and argmax_only:
@@ -398,7 +412,7 @@ class LeanForward(LeanLayers):
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)
         self.lm_head = Linears.of(target.get_output_embeddings())
         self.argmax_head: ArgmaxHead | None = None
-        self.lm_head_grid: Linears | None = None  # where the full logits are read, for blocks of up to GRID_ROWS
+        self.lm_head_grid: Linears | None = None  # where the full logits are read, for blocks of up to COMPACT_ROWS
         if argmax_only and cpu_linear.streamed_kernel() is not None:
             self.argmax_head = packed.derived(self.lm_head.weights[0], "argmax", ArgmaxHead)
         elif grid is not None and self.kernel is not None:
@@ -431,6 +445,6 @@ class LeanForward(LeanLayers):
             logits = self.argmax_head.logits(x.reshape(-1, x.shape[-1]), self.lm_head.biases[0])
             logits = logits.view(*x.shape[:-1], logits.shape[-1])
         else:
-            on_grid = self.lm_head_grid is not None and x.shape[0] * x.shape[1] <= self.GRID_ROWS
+            on_grid = self.lm_head_grid is not None and x.shape[0] * x.shape[1] <= self.COMPACT_ROWS
             logits = self._linear(x, self.lm_head_grid if on_grid else self.lm_head)
         return LeanOutput(logits=logits, hidden_states=tuple(hidden) if hidden is not None else None)

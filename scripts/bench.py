@@ -9,7 +9,8 @@ question so that every method sees the same machine state:
     <drafter>  SelfSpecModel(target, drafter, lookup_first=False).generate(...) -- one per --drafter: the
                        drafter alone, even where its config makes prompt lookup first its default
     <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
-    <drafter>+fp32heads  the same without the int8 LM heads (int8_argmax, int8_draft_head off); the suffixes
+    <drafter>+fp32argmax  the same with the target's whole fp32 LM head in a greedy verify (int8_argmax off)
+    <drafter>+fp32draft   the same drafting from the drafter's fp32 weights (int8_drafter off); the suffixes
                        +compile, +static and +modules set the other SelfSpecModel options of their names
     oracle:<alpha>     SelfSpecModel drafting the baseline's own answer, each token wrong with probability
                        1 - alpha (`--oracle`): acceptance is set, drafting is free, so tokens/s against the
@@ -185,14 +186,14 @@ def hf_method(target, name: str, sampling: dict | None = None, **generate_kwargs
 
 
 def engine_method(target, drafter, name: str, lookup_first: bool = False, compile: bool = False,
-                  static_cache: bool = False, lean_verify: bool | None = None, int8_heads: bool = True,
-                  sampling: dict | None = None) -> Method:
-    """`int8_heads`: SelfSpecModel's `int8_argmax` and `int8_draft_head` (False: the fp32 LM heads); `sampling`:
-    generate's sampling settings (None: greedy)."""
+                  static_cache: bool = False, lean_verify: bool | None = None, int8_argmax: bool = True,
+                  int8_drafter: bool = True, sampling: dict | None = None) -> Method:
+    """`int8_argmax`, `int8_drafter`: SelfSpecModel's options of those names; `sampling`: generate's sampling
+    settings (None: greedy)."""
     from infer import SelfSpecModel
 
     model = SelfSpecModel(target, drafter, lookup_first=lookup_first, compile=compile, static_cache=static_cache,
-                          lean_verify=lean_verify, int8_argmax=int8_heads, int8_draft_head=int8_heads)
+                          lean_verify=lean_verify, int8_argmax=int8_argmax, int8_drafter=int8_drafter)
 
     def run(input_ids, max_new_tokens):
         out = model.generate(input_ids, max_new_tokens=max_new_tokens, **(sampling or GREEDY))
@@ -272,9 +273,9 @@ LOOKUP_SUFFIX = "+lookup"  # `--drafter <spec>+lookup`: SelfSpecModel(..., looku
 COMPILE_SUFFIX = "+compile"  # `--drafter <spec>+compile`: SelfSpecModel(..., compile=True)
 STATIC_SUFFIX = "+static"  # `--drafter <spec>+static`: SelfSpecModel(..., static_cache=True)
 MODULES_SUFFIX = "+modules"  # `--drafter <spec>+modules`: SelfSpecModel(..., lean_verify=False)
-# `--drafter <spec>+fp32heads`: SelfSpecModel(..., int8_argmax=False, int8_draft_head=False)
-FP32_HEADS_SUFFIX = "+fp32heads"
-SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX, MODULES_SUFFIX, FP32_HEADS_SUFFIX)
+FP32_ARGMAX_SUFFIX = "+fp32argmax"  # `--drafter <spec>+fp32argmax`: SelfSpecModel(..., int8_argmax=False)
+FP32_DRAFT_SUFFIX = "+fp32draft"  # `--drafter <spec>+fp32draft`: SelfSpecModel(..., int8_drafter=False)
+SUFFIXES = (LOOKUP_SUFFIX, COMPILE_SUFFIX, STATIC_SUFFIX, MODULES_SUFFIX, FP32_ARGMAX_SUFFIX, FP32_DRAFT_SUFFIX)
 
 
 def _serve_module():
@@ -345,7 +346,8 @@ def drafter_method(spec: str, target, tree: dict | None = None, sampling: dict |
     return engine_method(target, drafter, name + "".join(options), LOOKUP_SUFFIX in options,
                          COMPILE_SUFFIX in options, STATIC_SUFFIX in options,
                          lean_verify=False if MODULES_SUFFIX in options else None,
-                         int8_heads=FP32_HEADS_SUFFIX not in options, sampling=sampling)
+                         int8_argmax=FP32_ARGMAX_SUFFIX not in options,
+                         int8_drafter=FP32_DRAFT_SUFFIX not in options, sampling=sampling)
 
 
 # ---------------------------------------------------------------------------------------------- running
@@ -766,8 +768,9 @@ def main(argv=None) -> int:
                              f"{LOOKUP_SUFFIX!r} (prompt lookup first), {COMPILE_SUFFIX!r} (the drafter's "
                              f"forwards compiled; with {STATIC_SUFFIX!r} the verify too), {STATIC_SUFFIX!r} "
                              f"(the target's static KV cache), {MODULES_SUFFIX!r} (verify through the "
-                             f"model's own modules, not the lean forward) and/or {FP32_HEADS_SUFFIX!r} (the "
-                             "target's and drafter's fp32 LM heads, not their int8 copies); repeat for several")
+                             f"model's own modules, not the lean forward), {FP32_ARGMAX_SUFFIX!r} (the target's "
+                             f"whole fp32 LM head in a greedy verify) and/or {FP32_DRAFT_SUFFIX!r} (drafting "
+                             "from the drafter's fp32 weights, not int8 copies); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")

@@ -245,8 +245,8 @@ def test_saved_drafter_with_tree_override(questions_file, tmp_path):
     assert lookup.name == "eagle:eagle+lookup"
     for spec in ("early_exit:1+compile+lookup", "early_exit:1+lookup+compile"):  # either order
         assert bench.drafter_method(spec, target).name == "early_exit:1" + spec.partition("1")[2]
-    fp32_heads = bench.drafter_method(str(tmp_path / "eagle") + "+lookup+fp32heads", target)
-    assert fp32_heads.name == "eagle:eagle+lookup+fp32heads"
+    fp32_heads = bench.drafter_method(str(tmp_path / "eagle") + "+lookup+fp32argmax+fp32draft", target)
+    assert fp32_heads.name == "eagle:eagle+lookup+fp32argmax+fp32draft"
     ids = torch.tensor([[3, 4, 5, 3, 4, 5]])
     assert lookup.run(ids, 4)[1]["int8_argmax"] is True and fp32_heads.run(ids, 4)[1]["int8_argmax"] is False
     methods = [bench.hf_method(target, bench.BASELINE), bench.engine_method(target, drafter, name), lookup,

@@ -489,8 +489,10 @@ def test_eagle3_int8_head_scores_the_draft_vocabulary_from_one_kept_copy():
     target = tiny_model("llama")
     drafter = _eagle3(target)
     cache = cpu_linear.PackCache()
-    fp32, int8 = LeanEagle3(drafter, 16), LeanEagle3(drafter, 16, int8_head=cache)
-    assert LeanEagle3(drafter, 16, int8_head=cache).head_rows is int8.head_rows  # made once, kept in the cache
+    fp32, int8 = LeanEagle3(drafter, 16), LeanEagle3(drafter, 16, int8=cache)
+    again = LeanEagle3(drafter, 16, int8=cache)  # every int8 copy made once, kept in the cache
+    assert again.head_rows is int8.head_rows and again.fc_int8.weights[0] is int8.fc_int8.weights[0]
+    assert again.compact[0].qkv.weights[0] is int8.compact[0].qkv.weights[0]
     torch.manual_seed(2)
     y = torch.randn(2, 5, target.config.hidden_size)
     expected, got = fp32._head(y), int8._head(y)
@@ -503,17 +505,50 @@ def test_eagle3_int8_head_scores_the_draft_vocabulary_from_one_kept_copy():
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("stream_rows", [16, 0])
+def test_eagle3_int8_draft_steps_run_the_int8_weights_and_a_prompt_the_fp32_ones(stream_rows):
+    """With int8 copies, a block of up to 16 rows (a draft step) runs `fc`, the layers and the head on int8 rows:
+    the function of the weights those rows hold. A longer block (a prompt) runs `fc` and the layers in fp32, on
+    the kernel or not as `stream_rows` says."""
+    _kernel()
+    target = tiny_model("llama")
+    drafter, dequantized = _eagle3(target), _eagle3(target)  # the same weights
+    with torch.no_grad():
+        for m in dequantized.modules():
+            if isinstance(m, nn.Linear):
+                q, scale = cpu_linear.int8_rows(m.weight)
+                m.weight.copy_(q.float() * scale[:, None])
+    int8 = LeanEagle3(drafter, stream_rows, int8=cpu_linear.PackCache())
+    assert int8.compact[0].qkv.weights[0].dtype == torch.int8 and int8.fc_int8.weights[0].dtype == torch.int8
+    torch.manual_seed(2)
+
+    def run(net, tokens, features):
+        kv = KVState(2, tokens.device)
+        depth, ancestors, valid = prompt_tree(torch.ones_like(tokens, dtype=torch.bool))
+        with torch.no_grad():
+            return kv.forward_tree(net, depth, ancestors, valid, tokens, features)
+
+    width = drafter.fc.in_features
+    draft_step = torch.randint(0, 50, (2, 5)), torch.randn(2, 5, width)  # 10 rows
+    for got, expected in zip(run(int8, *draft_step), run(LeanEagle3(dequantized, stream_rows), *draft_step), strict=True):
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    prompt = torch.randint(0, 50, (2, 10)), torch.randn(2, 10, width)  # 20 rows
+    got, expected = run(int8, *prompt)[0], run(LeanEagle3(drafter, stream_rows), *prompt)[0]  # hidden: fp32 weights
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+
+
 def test_generate_drafts_with_the_lean_eagle3_forward_and_stays_exact():
     target = tiny_model("llama")
     drafter = _eagle3(target)
     expected = target.generate(IDS, max_new_tokens=24, do_sample=False)
-    for lean_verify, int8_draft_head, net in ((None, True, LeanEagle3), (None, False, LeanEagle3),
-                                              (False, True, type(drafter))):
-        model = SelfSpecModel(target, drafter, lean_verify=lean_verify, int8_draft_head=int8_draft_head)
+    for lean_verify, int8_drafter, net in ((None, True, LeanEagle3), (None, False, LeanEagle3),
+                                           (False, True, type(drafter))):
+        model = SelfSpecModel(target, drafter, lean_verify=lean_verify, int8_drafter=int8_drafter)
         assert torch.equal(model.generate(IDS, max_new_tokens=24), expected)
         assert type(model.drafter.net) is net
         if net is LeanEagle3:
-            assert (model.drafter.net.head_rows is not None) is int8_draft_head
+            assert (model.drafter.net.head_rows is not None) is int8_drafter
+            assert (model.drafter.net.compact[0] is not None) is int8_drafter
     calls = []
     handle = drafter.lm_head.register_forward_hook(lambda *args: calls.append(1))
     try:  # a hook of the user's on the drafter: its forwards go through the modules, which the hook sees
@@ -641,10 +676,10 @@ def test_a_target_on_gguf_grids_is_verified_on_them_for_the_same_bits(rows, laye
     _kernel()
     target = _on_gguf_grids(tiny_model("llama"), layers)
     grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
-    assert all(layer is not None and layer.qkv.weights[0].dtype == stored for layer in grid.grid)
+    assert all(layer is not None and layer.qkv.weights[0].dtype == stored for layer in grid.compact)
     assert grid.lm_head_grid.weights[0].dtype == torch.int8
     fp32 = lean_forward.LeanForward(target, 16, None)  # no cache to keep the grids in: the fp32 weights
-    assert fp32.grid == [None] * target.config.num_hidden_layers and fp32.lm_head_grid is None
+    assert fp32.compact == [None] * target.config.num_hidden_layers and fp32.lm_head_grid is None
     block = torch.arange(2 * rows).remainder(90).add(2).view(2, rows)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
     outs, caches = _forwards_after_prompt(target, (fp32, grid), block, depth, ancestors, valid)
@@ -683,7 +718,7 @@ def test_generate_verifies_on_the_grids_and_stays_exact(monkeypatch):
     model = SelfSpecModel(target, "ngram")
     assert torch.equal(model.generate(IDS, max_new_tokens=30), target.generate(IDS, max_new_tokens=30, do_sample=False))
     assert grids and all(grids)  # every verify block, one row or a chain, read the grids
-    assert all(lean_forward.LeanForward(tiny_model("llama"), 16, cpu_linear.PackCache()).grid[i] is None
+    assert all(lean_forward.LeanForward(tiny_model("llama"), 16, cpu_linear.PackCache()).compact[i] is None
                for i in range(target.config.num_hidden_layers))  # random weights: no grid
 
 

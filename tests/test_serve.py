@@ -303,7 +303,7 @@ def test_vllm_serves_our_drafter_with_the_same_text_and_acceptance(vllm_python, 
     kind, drafter_dir, prompts = trained
     # the drafter's fp32 head, as vLLM runs it: the int8 copy our engine drafts from by default ranks near ties
     # otherwise, which moved the rare third-position acceptances by 2 in 121 on a Zen 5 EPYC
-    ours = SelfSpecModel(model, heads.load(drafter_dir), tokenizer=tokenizer, int8_draft_head=False)
+    ours = SelfSpecModel(model, heads.load(drafter_dir), tokenizer=tokenizer, int8_drafter=False)
     our_texts, our_steps = [], []
     for prompt in prompts:  # before vLLM starts: the two would share the machine's cores
         ids = chat_ids(tokenizer, prompt)

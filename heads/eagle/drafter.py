@@ -64,18 +64,17 @@ class EagleDrafter(HeadDrafter):
         self.log_min_confidence = math.log(tree["min_confidence"]) if tree["min_confidence"] > 0 else None
         self.kv = self.root = self.last_hidden = self.last_logits = None
         self._lean_rows: int | None = None
-        self._int8_head: cpu_linear.PackCache | None = None  # the lean forward's int8 LM head, kept here
+        self._int8: cpu_linear.PackCache | None = None  # the lean forward's int8 copies of the weights, kept here
         self.net = model  # the model, or its lean forward for the current call (`lean_forwards`)
 
-    def lean_forwards(self, stream_rows: int | None, int8_head: bool = True) -> None:
+    def lean_forwards(self, stream_rows: int | None, int8: bool = True) -> None:
         """From the next call on, run the model through its `lean_forward` where it has one and it can run
         (EAGLE-3's `heads.eagle3.lean.LeanEagle3`: the same function without transformers' modules), with
-        blocks of 2..stream_rows rows on the streamed kernel and, with `int8_head`, the draft vocabulary
-        scored from an int8 copy of the LM head (held by this adapter, not the model); None: always through
-        the model's modules (the default). The engine sets this from its `lean_verify` and `int8_draft_head`
-        settings."""
+        blocks of 2..stream_rows rows on the streamed kernel and, with `int8`, draft steps on int8 copies of
+        the weights (held by this adapter, not the model); None: always through the model's modules (the
+        default). The engine sets this from its `lean_verify` and `int8_drafter` settings."""
         self._lean_rows = stream_rows
-        self._int8_head = cpu_linear.PackCache() if int8_head else None
+        self._int8 = cpu_linear.PackCache() if int8 else None
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         super().bind(target, sampling, batch_size, generator)
@@ -85,7 +84,7 @@ class EagleDrafter(HeadDrafter):
         self.net = self.model
         make_lean = getattr(self.model, "lean_forward", None)  # EAGLE-3 has one
         if self._lean_rows is not None and make_lean is not None and not lean_forward.user_hooks(self.model):
-            self.net = make_lean(self._lean_rows, self._int8_head) or self.model
+            self.net = make_lean(self._lean_rows, self._int8) or self.model
 
     @torch.no_grad()
     def observe(self, step) -> None:

@@ -4,7 +4,7 @@
 the drafter's few matmuls (docs/benchmarks.md). `LeanEagle3` computes the same function from the model's own
 tensors, read once when it is made (references, not copies): the fused-feature `fc`, the widened q/k/v layer
 and any further layers through `infer.lean_forward.LeanLayers` (the streamed kernel for 2..stream_rows rows,
-RMSNorm and rotary in it), then the draft `lm_head`.
+RMSNorm and rotary in it), then the draft `lm_head`; with `int8`, draft steps read int8 copies of those weights.
 """
 
 from __future__ import annotations
@@ -51,19 +51,24 @@ class LeanEagle3(LeanLayers):
     [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden [B, T, D],
     logits over the draft vocabulary)."""
 
-    def __init__(self, model, stream_rows: int, int8_head: cpu_linear.PackCache | None = None):
-        """`int8_head`: score the draft vocabulary from an int8 copy of the LM head (one scale a row, kept in
-        this cache): a quarter of its bytes, and drafts that may differ from the fp32 head's at near-ties. Only
-        the tree changes, never the output, and a top-k draft's sampling stays exact (its q is one-hot)."""
-        super().__init__(self.read_or_refuse(read, model, "drafter"), stream_rows, None)
+    def __init__(self, model, stream_rows: int, int8: cpu_linear.PackCache | None = None):
+        """`int8`: draft from int8 copies of the weights (one scale a row, made once and kept in this cache): the
+        draft vocabulary scored from the LM head's, and blocks of up to `COMPACT_ROWS` rows (every draft step; not
+        the prompt, which oneDNN's fp32 GEMM runs faster) through `fc` and the layers' on the streamed kernel. A
+        quarter of the bytes (the shipped drafter's 24 MB of fp32 linears: 6 MB), and drafts that may differ from
+        the fp32 weights' at near-ties. Only the tree changes, never the output, and a top-k draft's sampling
+        stays exact (its q is one-hot). Without the streamed kernel, the fp32 weights."""
+        layers = self.read_or_refuse(read, model, "drafter")
+        kernel = cpu_linear.streamed_kernel() if int8 is not None else None
+        super().__init__(layers, stream_rows, None, None if kernel is None else [m.int8_rows(int8) for m in layers])
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]
         self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
+        self.fc_int8 = None if kernel is None else self.fc.int8_rows(int8)
         self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
-        kernel = cpu_linear.streamed_kernel() if int8_head is not None else None
         self.int8_kernel = kernel
-        self.head_rows = None if kernel is None else int8_head.derived(model.lm_head.weight, "int8 rows",
-                                                                        cpu_linear.int8_rows)
+        self.head_rows = None if kernel is None else int8.derived(model.lm_head.weight, "int8 rows",
+                                                                   cpu_linear.int8_rows)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -75,7 +80,8 @@ class LeanEagle3(LeanLayers):
         # cache_position: the cache's layers place the block themselves
         h = hidden_states.to(self.dtype)
         if self.model._is_fused(h, fused):
-            h = self._linear(h, self.fc)
+            compact = self.fc_int8 is not None and h.shape[0] * h.shape[1] <= self.COMPACT_ROWS
+            h = self._linear(h, self.fc_int8 if compact else self.fc)
         rotary = self._rotary(self.model.rotary_emb, h, position_ids)
         normed = self._norm(h, self.hidden_norm)
         residual = normed if self.model.config.norm_before_residual else h

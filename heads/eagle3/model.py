@@ -152,17 +152,17 @@ class Eagle3Model(DrafterModel):
             fused = hidden_states.shape[-1] == width
         return fused
 
-    def lean_forward(self, stream_rows: int, int8_head=None):
+    def lean_forward(self, stream_rows: int, int8=None):
         """This forward as plain tensor code for drafting (`heads.eagle3.lean.LeanEagle3`: no transformers
-        modules, blocks of 2..stream_rows rows on the streamed kernel; with `int8_head`, a
-        `infer.cpu_linear.PackCache`, the LM head from an int8 copy kept there), or None where it cannot run
+        modules, blocks of 2..stream_rows rows on the streamed kernel; with `int8`, a
+        `infer.cpu_linear.PackCache`, draft steps on int8 copies of the weights kept there), or None where it cannot run
         (not fp32 on CPU, `input_mode: project`, ...: `heads.eagle3.lean.why_not` says why)."""
         from infer.lean_forward import Unsupported
 
         from .lean import LeanEagle3
 
         try:
-            return LeanEagle3(self, stream_rows, int8_head)
+            return LeanEagle3(self, stream_rows, int8)
         except Unsupported:
             return None
 
