@@ -17,6 +17,7 @@ sampling over the tree, so outputs follow the target's distribution.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import threading
 import time
@@ -315,7 +316,7 @@ class SelfSpecModel:
 
     @classmethod
     def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
-                        tokenizer=None, tree: dict | str | None = None, **hf_kwargs) -> SelfSpecModel:
+                        tokenizer=None, tree: dict | str | None = None, **kwargs) -> SelfSpecModel:
         """Load a saved drafter and, unless given, the target recorded in its config (with its tokenizer,
         which is checked against the one the drafter was trained with; pass `tokenizer=` with your own
         target, or it is looked for beside the target).
@@ -324,9 +325,18 @@ class SelfSpecModel:
         adapter saved beside it is applied to the loaded target and merged, since the heads only predict
         well on top of the adapted target. `tree` is passed on to `SelfSpecModel` ("calibrated": the tree
         chosen for this machine).
+
+        Keywords that `SelfSpecModel` takes (`lookup_first`, `int8_drafter`, `compile`, ...) set up the engine;
+        the others go to the target's `from_pretrained` (`dtype`, `revision`, ...), so they need the target to be
+        loaded here: with `target=` given they are an error.
         """
         import heads
 
+        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _engine_options()}
+        if target is not None and kwargs:
+            raise TypeError(f"{', '.join(sorted(kwargs))}: neither a SelfSpecModel option nor usable with target= "
+                            "given (keywords other than SelfSpecModel's load the recorded target); load your "
+                            "target with them yourself")
         drafter = heads.load(drafter_path_or_hub_id)
         adapter = (drafter.config.training or {}).get("target_adapter")
         if target is None:
@@ -335,14 +345,14 @@ class SelfSpecModel:
                 raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path; pass target=")
             from .embedded import resolve_target
 
-            target, tokenizer = resolve_target(name, **hf_kwargs)
+            target, tokenizer = resolve_target(name, **kwargs)
             if adapter:
                 target = _merge_adapter(target, heads.resolve_drafter(drafter_path_or_hub_id), adapter)
-            return cls(target, drafter, tokenizer=tokenizer, tree=tree)
+            return cls(target, drafter, tokenizer=tokenizer, tree=tree, **options)
         if adapter:
             warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
                           f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)
-        return cls(target, drafter, tokenizer=tokenizer, tree=tree)
+        return cls(target, drafter, tokenizer=tokenizer, tree=tree, **options)
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -710,6 +720,12 @@ def _pad_block(tokens, offsets, attend, valid, size: int):
     block = attend.new_zeros(b, size, size)
     block[:, :m, :m] = attend
     return padded[0], padded[1], block, padded[2]
+
+
+def _engine_options() -> frozenset[str]:
+    """The keywords `SelfSpecModel` takes besides what `from_pretrained` names itself."""
+    names = inspect.signature(SelfSpecModel.__init__).parameters
+    return frozenset(names) - {"self", "target", "drafter", "tokenizer", "tree"}
 
 
 def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):

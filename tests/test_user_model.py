@@ -201,3 +201,24 @@ def test_drafter_trained_with_another_tokenizer_is_refused_without_passing_one(t
         SelfSpecModel(local, heads.load(tmp_path / "drafter"))
     with pytest.raises(ValueError, match="tokenizer fingerprint"):
         SelfSpecModel.from_pretrained(str(tmp_path / "drafter"), target=local, tokenizer=tokenizer)
+
+
+def test_from_pretrained_passes_engine_options_on_and_loader_keywords_to_the_target(tmp_path):
+    """SelfSpecModel's own keywords set up the engine; the rest load the recorded target, so with a target given
+    they are refused rather than dropped."""
+    from test_bench import tiny_tokenizer
+
+    import heads
+
+    tiny_model("llama").save_pretrained(tmp_path / "target")
+    tiny_tokenizer().save_pretrained(tmp_path / "target")
+    target = type(tiny_model("llama")).from_pretrained(tmp_path / "target")
+    heads.build("eagle3", target).save_pretrained(tmp_path / "drafter")
+    folder = str(tmp_path / "drafter")
+    model = SelfSpecModel.from_pretrained(folder, lookup_first=True, int8_drafter=False, dtype=torch.bfloat16)
+    assert isinstance(model.drafter, LookupFirstDrafter) and model.drafter.primary._int8 is None
+    assert model.target.dtype == torch.bfloat16  # loaded with the loader's keyword
+    model = SelfSpecModel.from_pretrained(folder, target=target, lookup_first=False)
+    assert not isinstance(model.drafter, LookupFirstDrafter) and model.drafter._int8 is not None
+    with pytest.raises(TypeError, match="revision: neither a SelfSpecModel option nor usable with target="):
+        SelfSpecModel.from_pretrained(folder, target=target, revision="main")
