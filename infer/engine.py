@@ -243,8 +243,8 @@ class SelfSpecModel:
         kept here while the weight is unchanged. False = the full fp32 head always.
 
         `int8_drafter`: where an EAGLE-3 drafter's forward runs lean, draft from int8 copies of its weights
-        (`heads.eagle3.lean.LeanEagle3`): its draft vocabulary scored from its LM head's, and every draft step (not
-        the prompt) through its `fc` and layers' on the streamed kernel. Drafting reads a quarter of the bytes
+        (`heads.eagle3.lean.LeanEagle3`): its LM head's scores the draft vocabulary, and those of its `fc` and
+        layers run every draft step (not the prompt) on the streamed kernel. Drafting reads a quarter of the bytes
         (the shipped drafter: 0.8 ms less a step for the head on the 2-core Xeon, and on the Zen 5 EPYC its
         linears at one row 0.17 ms against 1.18 in fp32) and may rank near-ties otherwise; the output is the
         same. False = its fp32 weights."""

@@ -53,10 +53,10 @@ class LeanEagle3(LeanLayers):
 
     def __init__(self, model, stream_rows: int, int8: cpu_linear.PackCache | None = None):
         """`int8`: draft from int8 copies of the weights (one scale a row, made once and kept in this cache): the
-        draft vocabulary scored from the LM head's, and blocks of up to `COMPACT_ROWS` rows (every draft step; not
-        the prompt, which oneDNN's fp32 GEMM runs faster) through `fc` and the layers' on the streamed kernel. A
-        quarter of the bytes (the shipped drafter's fc and layer: 20 MB in fp32, 5 MB), and drafts that may differ from
-        the fp32 weights' at near-ties. Only the tree changes, never the output, and a top-k draft's sampling
+        LM head's scores the draft vocabulary, and those of `fc` and the layers run blocks of up to `COMPACT_ROWS`
+        rows on the streamed kernel (every draft step; not the prompt, which oneDNN's fp32 GEMM runs faster). A
+        quarter of the bytes (the shipped drafter's `fc` and layer: 20 MB in fp32, 5 MB), and drafts that may
+        differ from the fp32 weights' at near-ties. Only the tree changes, never the output, and a top-k draft's sampling
         stays exact (its q is one-hot). Without the streamed kernel, the fp32 weights."""
         layers = self.read_or_refuse(read, model, "drafter")
         kernel = cpu_linear.streamed_kernel() if int8 is not None else None
