@@ -301,8 +301,8 @@ def test_vllm_serves_our_drafter_with_the_same_text_and_acceptance(vllm_python, 
 
     model, tokenizer = smollm2
     kind, drafter_dir, prompts = trained
-    # the drafter's fp32 head, as vLLM runs it: the int8 copy our engine drafts from by default ranks near ties
-    # otherwise, which moved the rare third-position acceptances by 2 in 121 on a Zen 5 EPYC
+    # the drafter's fp32 weights, as vLLM runs them: the int8 copies our engine drafts from by default rank near ties
+    # otherwise (its int8 head alone moved the rare third-position acceptances by 2 in 121 on a Zen 5 EPYC)
     ours = SelfSpecModel(model, heads.load(drafter_dir), tokenizer=tokenizer, int8_drafter=False)
     our_texts, our_steps = [], []
     for prompt in prompts:  # before vLLM starts: the two would share the machine's cores
