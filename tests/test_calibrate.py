@@ -343,9 +343,14 @@ def test_draft_costs_times_each_drafting_shape(monkeypatch):
     trees = [{"mode": "dynamic", "depth": 3, "top_k": 4, "total_tokens": n, "min_confidence": 0.0}
              for n in (2, 3, 40, 64)]
     assert [drafter.as_drafter(**tree).pass_rows() for tree in trees] == [(1,), (2, 1), (4, 4), (4, 4)]
-    timed = set()
+    timed = {}  # id -> the drafter itself: held, so a freed drafter's id cannot come back for the next one
     propose = EagleDrafter.propose
-    monkeypatch.setattr(EagleDrafter, "propose", lambda self, budget: timed.add(id(self)) or propose(self, budget))
+
+    def counted(self, budget):
+        timed.setdefault(id(self), self)
+        return propose(self, budget)
+
+    monkeypatch.setattr(EagleDrafter, "propose", counted)
     costs = calibrate.draft_costs(t, drafter, trees, context=16, repeats=1, prepack=False)
     assert len(timed) == 3 and costs[2] == costs[3] and len(set(costs[:3])) == 3
 
