@@ -60,13 +60,12 @@ class LeanEagle3(LeanLayers):
         stays exact (its q is one-hot). Without the streamed kernel, the fp32 weights."""
         layers = self.read_or_refuse(read, model, "drafter")
         kernel = cpu_linear.streamed_kernel() if int8 is not None else None
-        super().__init__(layers, stream_rows, None, None if kernel is None else [m.int8_rows(int8) for m in layers])
+        super().__init__(layers, stream_rows, None, None if kernel is None else [layer.int8_rows(int8) for layer in layers])
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]
         self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
         self.fc_int8 = None if kernel is None else self.fc.int8_rows(int8)
         self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
-        self.int8_kernel = kernel
         self.head_rows = None if kernel is None else int8.derived(model.lm_head.weight, "int8 rows",
                                                                    cpu_linear.int8_rows)
 
@@ -96,7 +95,8 @@ class LeanEagle3(LeanLayers):
         """y [B, T, D] -> logits over the draft vocabulary [B, T, V']."""
         if self.head_rows is None:
             return self._linear(y, self.lm_head)
-        logits = self.int8_kernel.int8_rows_linear(y.reshape(-1, y.shape[-1]), *self.head_rows)
+        # head_rows are made only with int8 layers, which LeanLayers runs on the streamed kernel: self.kernel is set
+        logits = self.kernel.int8_rows_linear(y.reshape(-1, y.shape[-1]), *self.head_rows)
         bias = self.lm_head.biases[0]
         if bias is not None:
             logits += bias
