@@ -75,12 +75,17 @@ class Prediction:
     candidate: Candidate
     draft_seconds: float  # drafting one step (propose the tree + observe the accepted tokens)
     verify_seconds: float  # one target forward over the root and the tree's nodes
+    overhead_seconds: float = 0.0  # the engine's own work a step outside both (accept, commit, emit)
 
     @property
     def tokens_per_second(self) -> float:
-        """E[accepted + 1] / (draft cost + verify cost): every step emits the accepted drafts and one token
-        of the target's own."""
-        return (1 + self.candidate.expected_accepted) / (self.draft_seconds + self.verify_seconds)
+        """E[accepted + 1] / (draft + verify + engine cost): every step emits the accepted drafts and one
+        token of the target's own."""
+        return (1 + self.candidate.expected_accepted) / (self.draft_seconds + self.verify_seconds
+                                                         + self.overhead_seconds)
+
+
+NO_DRAFTS = Candidate(tree={}, nodes=0, expected_accepted=0.0)  # one token a target forward: what drafting must beat
 
 
 def best_prediction(predictions: list[Prediction]) -> Prediction:

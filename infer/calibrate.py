@@ -9,12 +9,14 @@ are measured apart:
    sibling ranks for a static tree, per rank in the drafter's score order for EAGLE-2's dynamic tree.
    Greedy acceptance does not depend on the machine, so the statistics are stored with the drafter
    (`config.calibration`, written by `scripts/calibrate.py --write`).
-2. cost (`verify_costs`, `draft_costs`): one verify forward over 1..64 drafted nodes plus the root, with
-   the prepacked weights the engine uses, and one drafting step per candidate tree, timed on this machine.
-   The verify curve is cached per target shape, device name, torch threads and context
-   (`$SELFSPEC_CACHE/calibration`, default ~/.cache/selfspec/calibration).
+2. cost (`verify_costs`, `draft_costs`, `no_drafts_step`): one verify forward over 1..64 drafted nodes plus
+   the root, with the prepacked weights the engine uses, one drafting step per candidate tree, and a step of
+   generation with no drafts, which gives the engine's own work a step around the forward and the drafter,
+   timed on this machine. The verify curve and the step with no drafts are cached per target shape, device
+   name, torch threads and context (`$SELFSPEC_CACHE/calibration`, default ~/.cache/selfspec/calibration).
 3. choice (`heads.trees.candidate_trees`, `best_prediction`): for every tree of N = 1..64 nodes the
-   statistics predict E[accepted], and the one with the highest predicted tokens/s wins.
+   statistics predict E[accepted], and the one with the highest predicted tokens/s wins. Beside it, generation
+   with no drafts (`predict_no_drafts`), so the choice says whether drafting pays.
 4. prompt lookup first (`measure_lookup_first`): the chosen tree generates the prompts alone and with prompt
    lookup first, timed, interleaved; `--write` records whether lookup first was faster in the drafter's
    `config.lookup_first`, the default `SelfSpecModel` follows.
@@ -35,14 +37,18 @@ import os
 import platform
 import statistics
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from heads.trees import Prediction, best_prediction, candidate_trees, prior_paths
+from heads.trees import NO_DRAFTS, Prediction, best_prediction, candidate_trees, prior_paths
 
 from . import argmax_head, cpu_linear, lean_forward
+from . import engine as engine_module
+from . import kv as kv_module
+from . import verify as verify_module
 from .drafters.none import NoDrafter
 from .drafting import TargetStep
 from .embedded import cache_dir
@@ -424,6 +430,53 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
     return seconds
 
 
+NO_DRAFTS_TOKENS = (8, 40)  # the two generation lengths `no_drafts_step` takes the difference of
+
+
+def no_drafts_step(target, *, context: int = 256, repeats: int = 5, prepack: bool | None = None) -> dict[str, float]:
+    """A decoding step of generation with no drafts on this machine, split: "forward_seconds" in the target's
+    forward over the root, "draft_seconds" in the drafter (`infer.drafters.NoDrafter`: an empty tree), and
+    "engine_seconds" in the engine around them (accepting, committing the kept path in the KV cache, emitting,
+    bookkeeping), which a step with drafts pays too. `SelfSpecModel` with no drafts generates NO_DRAFTS_TOKENS
+    new tokens after a `context`-token prompt, timed whole and split by its own statistics; the shorter
+    generation is subtracted from the longer, so what each call pays once (the prompt's forward, making the lean
+    forward) drops out. The median of `repeats` pairs after a warm-up. Unlike `verify_costs`, the forward is timed
+    as this loop runs it, with nothing between the steps to evict the caches. Cached per target shape, device,
+    threads, context and the engine's source."""
+    prepack = _prepack(target, prepack)
+    context = _fitting_context(target, context, max(NO_DRAFTS_TOKENS) + 1)
+    engine_sources = "".join(Path(m.__file__).read_text() for m in (engine_module, verify_module, kv_module))
+    fields = {"target": _fingerprint(target), "device": device_name(target.device), "threads": torch.get_num_threads(),
+              "context": context, "prepack": prepack, "engine": _hash(engine_sources + _lean_source_hash())}
+    cached = _read_cache("no_drafts", fields)
+    if cached is not None:
+        return {name: cached[name] for name in ("engine_seconds", "forward_seconds", "draft_seconds")}
+    vocab = target.config.get_text_config().vocab_size
+    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(target.device)
+    model = SelfSpecModel(target, NoDrafter(), cpu_prepack=prepack, lookup_first=False)
+    short, long = NO_DRAFTS_TOKENS
+
+    def split(new_tokens: int) -> tuple[float, float, float, int]:
+        wall = _seconds(lambda: model.generate(ids, max_new_tokens=new_tokens), target.device)
+        stats = model.last_stats
+        forward, draft = stats["target_seconds"], stats["draft_seconds"]
+        return wall - forward - draft, forward, draft, stats["target_forwards"]
+
+    per_step: dict[str, list[float]] = {"engine_seconds": [], "forward_seconds": [], "draft_seconds": []}
+    for i in range(repeats + 1):  # the first pair is a warm-up
+        *shorter, n_short = split(short)
+        *longer, n_long = split(long)
+        if i and n_long > n_short:  # an end-of-sequence token could stop both at once: then the pair tells nothing
+            for name, a, b in zip(per_step, shorter, longer, strict=True):
+                per_step[name].append((b - a) / (n_long - n_short))
+    if not per_step["engine_seconds"]:
+        raise RuntimeError(f"every generation from the random {context}-token prompt ended within {short} tokens; "
+                           "a step with no drafts could not be timed")
+    result = {name: max(statistics.median(values), 0.0) for name, values in per_step.items()}
+    _write_cache("no_drafts", fields, result)
+    return result
+
+
 def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repeats: int = 5,
                 prepack: bool | None = None) -> list[float]:
     """Seconds of one drafting step per tree settings in `trees` on this machine: the drafter (a heads model)
@@ -475,7 +528,15 @@ def predict(target, drafter, calibration: dict, *, max_nodes: int = MAX_NODES, c
                           prepack=prepack)
     draft = draft_costs(target, drafter, [c.tree for c in candidates], context=context, repeats=repeats,
                         prepack=prepack)
-    return [Prediction(c, d, verify[c.nodes]) for c, d in zip(candidates, draft, strict=True)]
+    engine = no_drafts_step(target, context=context, repeats=repeats, prepack=prepack)["engine_seconds"]
+    return [Prediction(c, d, verify[c.nodes], engine) for c, d in zip(candidates, draft, strict=True)]
+
+
+def predict_no_drafts(target, *, context: int = 256, repeats: int = 5, prepack: bool | None = None) -> Prediction:
+    """Generation with no drafts on this machine (`heads.trees.NO_DRAFTS`: one token a target forward through the
+    same engine), its step as `no_drafts_step` times it: what the best tree has to beat for drafting to pay."""
+    step = no_drafts_step(target, context=context, repeats=repeats, prepack=prepack)
+    return Prediction(NO_DRAFTS, step["draft_seconds"], step["forward_seconds"], step["engine_seconds"])
 
 
 def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None = None,
@@ -503,12 +564,13 @@ def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None 
 @dataclass
 class Choice:
     """What calibrating a drafter found (`choose`): the statistics for `config.calibration`, every candidate
-    tree's prediction, the fastest of them, and that tree timed alone and with prompt lookup first
-    (`measure_lookup_first`'s result; None when not measured)."""
+    tree's prediction, the fastest of them, generation with no drafts predicted from the same machine, and that
+    tree timed alone and with prompt lookup first (`measure_lookup_first`'s result; None when not measured)."""
 
     calibration: dict
     predictions: list[Prediction]
     best: Prediction
+    no_drafts: Prediction  # `predict_no_drafts`: what the best tree is predicted to beat
     lookup_first: dict | None
 
     @property
@@ -528,9 +590,10 @@ def choose(target, drafter, prompts: list[torch.Tensor], *, lookup_first: bool =
     calibration, predictions = calibrate(target, drafter, prompts, max_new_tokens=max_new_tokens,
                                          tokenizer=tokenizer, prepack=prepack, **options)
     best = best_prediction(predictions)
+    none = predict_no_drafts(target, prepack=prepack, **{k: options[k] for k in ("context", "repeats") if k in options})
     lookup = measure_lookup_first(target, drafter, prompts, best.candidate.tree, max_new_tokens=max_new_tokens,
                                   tokenizer=tokenizer, prepack=prepack) if lookup_first else None
-    return Choice(calibration, predictions, best, lookup)
+    return Choice(calibration, predictions, best, none, lookup)
 
 
 def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_first: dict | None = None) -> None:
@@ -570,7 +633,9 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
     (`max_nodes` static trees, or one per depth for a dynamic tree). That is 4 x 65 target forwards and up to
     4 x 64 drafting steps at the defaults: well under a second for the tiny test models, and by an estimate
     from SmolLM2-135M's ~65 ms forward on 2 CPU cores, half a minute or so there (not timed). The choice is
-    then cached (`$SELFSPEC_CACHE/calibration`), and later calls read one small JSON file."""
+    then cached (`$SELFSPEC_CACHE/calibration`), and later calls read one small JSON file. Where generation with
+    no drafts is predicted faster than the best tree (`predict_no_drafts`), every call warns: the tree is still
+    returned, and the caller decides whether to draft."""
     calibration = drafter.config.calibration
     if not calibration or not calibration.get("measured"):
         raise ValueError("tree='calibrated' chooses the tree from the drafter's acceptance statistics on held-out "
@@ -581,15 +646,23 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
     prepack = _prepack(target, prepack)
     fields = {"target": _fingerprint(target), "drafter": _config_hash(drafter.config),
               "device": device_name(target.device), "threads": torch.get_num_threads(), "context": context,
-              "prepack": prepack, "max_nodes": max_nodes, "caches": "evicted"}
+              "prepack": prepack, "max_nodes": max_nodes, "caches": "evicted",
+              "prediction": "draft + verify + engine"}
     cached = _read_cache("tree", fields)
-    if cached is not None:
-        return cached["tree"]
-    best = best_prediction(predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
-                                   repeats=repeats, prepack=prepack))
-    _write_cache("tree", fields, {"tree": best.candidate.tree, "nodes": best.candidate.nodes,
-                                  "tokens_per_second": best.tokens_per_second})
-    return best.candidate.tree
+    if cached is None:
+        best = best_prediction(predict(target, drafter, calibration, max_nodes=max_nodes, context=context,
+                                       repeats=repeats, prepack=prepack))
+        none = predict_no_drafts(target, context=context, repeats=repeats, prepack=prepack)
+        cached = {"tree": best.candidate.tree, "nodes": best.candidate.nodes, "tokens_per_second": best.tokens_per_second,
+                  "no_drafts_tokens_per_second": none.tokens_per_second}
+        _write_cache("tree", fields, cached)
+    if cached["no_drafts_tokens_per_second"] > cached["tokens_per_second"]:
+        warnings.warn(f"drafting with this drafter does not pay on this machine ({fields['device']}, {fields['threads']} "
+                      f"threads): its best tree is predicted at {cached['tokens_per_second']:.1f} tokens/s and "
+                      f"generation with no drafts at {cached['no_drafts_tokens_per_second']:.1f} "
+                      "(infer.calibrate.predict_no_drafts). SelfSpecModel(target) with no drafter is faster here; a "
+                      "drafter whose drafts are accepted more often would change that", stacklevel=3)
+    return cached["tree"]
 
 
 # ---------------------------------------------------------------------------------------------- helpers

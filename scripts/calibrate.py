@@ -72,9 +72,10 @@ def main(argv=None) -> int:
     steps = sum(m["steps"] for m in choice.calibration["measured"])
     print(f"{drafter.kind} drafter {args.drafter} on {name}: {len(prompts)} prompts, {steps} verify steps "
           f"measured; {torch.get_num_threads()} threads, costs at context {args.context}")
-    print(table(choice.predictions, best))
+    print(table(choice.predictions, best, choice.no_drafts))
     print(f"best: {best.candidate.nodes} nodes, {describe(choice.tree)}, predicted "
-          f"{best.tokens_per_second:.1f} tokens/s")
+          f"{best.tokens_per_second:.1f} tokens/s; no drafts predicted {choice.no_drafts.tokens_per_second:.1f} "
+          f"tokens/s (engine {best.overhead_seconds * 1e3:.2f} ms a step besides the forward and the drafter)")
     if choice.lookup_first is not None:
         alone, first = choice.lookup_first["alone"], choice.lookup_first["lookup_first"]
         print(f"with this tree: alone {alone['tokens_per_second']:.1f} tokens/s (tau "
@@ -91,9 +92,10 @@ def main(argv=None) -> int:
     return 0
 
 
-def table(predictions, best) -> str:
-    """A markdown table: per tree size, the fastest tree of that size; the chosen one marked."""
-    fastest = {}
+def table(predictions, best, no_drafts=None) -> str:
+    """A markdown table: per tree size, the fastest tree of that size; the chosen one marked; no drafts (N = 0)
+    first where given."""
+    fastest = {} if no_drafts is None else {0: no_drafts}
     for p in predictions:
         n = p.candidate.nodes
         if n not in fastest or p.tokens_per_second > fastest[n].tokens_per_second:
@@ -109,6 +111,8 @@ def table(predictions, best) -> str:
 
 def describe(tree: dict) -> str:
     """Depth and branching of a tree's settings, in a few words."""
+    if not tree:
+        return "no drafts"
     if tree.get("mode", "static") == "dynamic":
         return f"dynamic, depth {tree['depth']}, top-{tree['top_k']}, {tree['total_tokens']} kept"
     paths = tree["paths"]

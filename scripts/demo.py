@@ -136,11 +136,13 @@ def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[
     choice = choose(target, drafter, encode_prompts(tokenizer, [q["turns"][0] for q in prompts]),
                     max_new_tokens=max_new_tokens, tokenizer=tokenizer)
     choice.write(drafter_dir, drafter)
-    speeds = {way: choice.lookup_first[way]["tokens_per_second"] for way in ("alone", "lookup_first")}
+    speeds = {way: choice.lookup_first[way]["tokens_per_second"] for way in ("alone", "lookup_first", "no_drafts")}
     print(f"drafting tree calibrated on {len(prompts)} unused prompts: {choice.best.candidate.nodes} nodes "
-          f"({choice.tree}), predicted {choice.best.tokens_per_second:.1f} tokens/s here; measured "
-          f"{speeds['alone']:.1f} tokens/s alone and {speeds['lookup_first']:.1f} with prompt lookup first, which "
-          f"is {'now' if choice.lookup_first['pays'] else 'not'} the drafter's default", flush=True)
+          f"({choice.tree}), predicted {choice.best.tokens_per_second:.1f} tokens/s here (no drafts: "
+          f"{choice.no_drafts.tokens_per_second:.1f}); measured {speeds['alone']:.1f} tokens/s alone, "
+          f"{speeds['lookup_first']:.1f} with prompt lookup first, which is "
+          f"{'now' if choice.lookup_first['pays'] else 'not'} the drafter's default, and {speeds['no_drafts']:.1f} "
+          "with no drafts", flush=True)
     return choice.tree
 
 

@@ -7,6 +7,8 @@ import importlib.util
 import itertools
 import json
 import math
+import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,6 +113,82 @@ def test_dynamic_choice_picks_depth_and_node_budget():
 def test_ties_go_to_the_smaller_tree():
     small, large = Candidate({"paths": [[0]]}, 1, 0.5), Candidate({"paths": [[0], [1]]}, 2, 0.5)
     assert best_prediction([Prediction(large, 0, 1), Prediction(small, 0, 1)]).candidate is small
+
+
+def test_the_engines_own_cost_a_step_counts_against_every_tree():
+    """A step costs drafting, verifying and the engine's work around them: a fixed cost a step favours the larger
+    tree, which pays it for more tokens (without it the 1-node tree wins: 1.4 / 1.0 against 1.6 / 1.2)."""
+    small = Prediction(Candidate({"paths": [[0]]}, 1, 0.4), 0.2, 0.8, 0.5)
+    large = Prediction(Candidate({"paths": [[0], [0, 0]]}, 2, 0.6), 0.3, 0.9, 0.5)
+    assert small.tokens_per_second == pytest.approx(1.4 / 1.5) and large.tokens_per_second == pytest.approx(1.6 / 1.7)
+    assert best_prediction([small, large]) is large
+    assert best_prediction([replace(small, overhead_seconds=0.0), replace(large, overhead_seconds=0.0)]).candidate \
+        is small.candidate
+
+
+class _TimedGenerations:
+    """Stands in for `SelfSpecModel` in `no_drafts_step`: each generate "takes" the wall time and reports the
+    statistics listed for its length."""
+
+    def __init__(self, runs: dict, *args, **kwargs):
+        self.runs, self.last_stats = runs, None
+
+    def generate(self, ids, max_new_tokens):
+        self.wall, self.last_stats = self.runs[max_new_tokens]
+
+
+def test_a_step_with_no_drafts_is_split_from_the_difference_of_two_generations(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    short, long = calibrate.NO_DRAFTS_TOKENS
+    runs = {short: (1.0, {"target_seconds": 0.5, "draft_seconds": 0.1, "target_forwards": short}),
+            long: (3.0, {"target_seconds": 1.3, "draft_seconds": 0.26, "target_forwards": long})}
+    models = []
+
+    def model(*args, **kwargs):
+        models.append(_TimedGenerations(runs))
+        return models[-1]
+
+    def seconds(fn, device):
+        fn()
+        return models[-1].wall
+
+    monkeypatch.setattr(calibrate, "SelfSpecModel", model)
+    monkeypatch.setattr(calibrate, "_seconds", seconds)
+    step = calibrate.no_drafts_step(target(), context=16, repeats=2)
+    # what each call pays once (the prompt's forward; 0.4 s outside the forward and the drafter) drops out
+    steps = long - short
+    assert step["engine_seconds"] == pytest.approx(((3.0 - 1.3 - 0.26) - (1.0 - 0.5 - 0.1)) / steps)
+    assert step["forward_seconds"] == pytest.approx((1.3 - 0.5) / steps)
+    assert step["draft_seconds"] == pytest.approx((0.26 - 0.1) / steps)
+    none = calibrate.predict_no_drafts(target(), context=16, repeats=2)
+    assert none.candidate.nodes == 0 and none.tokens_per_second == pytest.approx(steps / (3.0 - 1.0))
+    models.clear()
+    assert calibrate.no_drafts_step(target(), context=16, repeats=2) == step and not models  # cached
+    runs[long] = runs[short][0], {**runs[short][1]}  # an end-of-sequence token at once: both made as many steps
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "fresh"))
+    with pytest.raises(RuntimeError, match="could not be timed"):
+        calibrate.no_drafts_step(target(), context=16, repeats=2)
+
+
+@pytest.mark.parametrize("drafting_pays", [True, False])
+def test_a_calibrated_tree_slower_than_no_drafts_is_named_a_loss(drafting_pays, tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    t = target()
+    drafter = heads.build("eagle", t)
+    drafter.config.calibration = {"measured": [{"mode": "static", "steps": 1, "mean_accepted": 0.5,
+                                                "p_accept": [0.5], "tree": {"mode": "static", "paths": [[0]]}}]}
+    tree = Candidate({"mode": "static", "paths": [[0]]}, 1, 0.5)
+    monkeypatch.setattr(calibrate, "predict", lambda *a, **k: [Prediction(tree, 0.1, 1.0, 0.1)])  # 1.5 / 1.2 = 1.25
+    none = Prediction(calibrate.NO_DRAFTS, 0.0, 0.9 if drafting_pays else 0.6, 0.1)  # 1 / 1.0 or 1 / 0.7
+    monkeypatch.setattr(calibrate, "predict_no_drafts", lambda *a, **k: none)
+    for _ in range(2):  # measured, then read from the cache
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert calibrate.calibrated_tree(drafter, t) == tree.tree
+        losses = [w for w in caught if "does not pay on this machine" in str(w.message)]
+        assert len(losses) == (0 if drafting_pays else 1)
+        if not drafting_pays:
+            assert "predicted at 1.2 tokens/s and generation with no drafts at 1.4" in str(losses[0].message)
 
 
 # ---- acceptance observed through the engine -----------------------------------------------------------------
@@ -221,7 +299,8 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     model = SelfSpecModel(t, drafter, tree="calibrated")  # measures this machine's costs, then caches the choice
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
     # the verify curve, the chosen tree and (where the streamed kernel builds) the kernel choice
-    assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} - {"stream_rows"} == {"verify", "tree"}
+    assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} - {"stream_rows"} == {
+        "verify", "no_drafts", "tree"}
     chosen = calibrate.calibrated_tree(drafter, t)
 
     def measured_again(*args, **kwargs):
@@ -229,6 +308,7 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
 
     monkeypatch.setattr(calibrate, "verify_costs", measured_again)
     monkeypatch.setattr(calibrate, "draft_costs", measured_again)
+    monkeypatch.setattr(calibrate, "no_drafts_step", measured_again)
     assert calibrate.calibrated_tree(drafter, t) == chosen
     assert chosen in [p.candidate.tree for p in predicted]
     again = SelfSpecModel(t, drafter, tree="calibrated")
@@ -436,6 +516,7 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
                              "--context", "16", "--repeats", "1", "--threads", "1", "--write"])
     printed = capsys.readouterr().out
     assert "| N | E_acc | verify ms | draft ms | predicted tokens/s | tree |" in printed and "**best**" in printed
+    assert "| 0 | 0.000 |" in printed and "| no drafts |" in printed and "no drafts predicted" in printed
     saved = heads.load(tmp_path / "drafter")
     assert saved.config.calibration["measured"][0]["mode"] == "dynamic"
     chosen = saved.config.tree
