@@ -17,6 +17,7 @@ sampling over the tree, so outputs follow the target's distribution.
 from __future__ import annotations
 
 import contextlib
+import gc
 import inspect
 import operator
 import threading
@@ -116,6 +117,34 @@ def _set_attention(target, impl: str) -> None:
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
                "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+
+
+_gc_lock = threading.Lock()
+_gc_state = {"calls": 0, "enabled": False}  # generate calls under way, and whether the collector was on before them
+
+
+@contextlib.contextmanager
+def _cyclic_gc_paused():
+    """Python's cyclic garbage collector off while any generate call runs, and as it was after the last one.
+
+    A step allocates hundreds of tensors and small objects, which trigger collections; every so often one is a
+    full collection over the whole heap (about 418k tracked objects with SmolLM2 and transformers loaded). With the
+    shipped drafter on 16 held-out prompts (Zen 5 host, 2026-11-28) the engine's time a step outside the forward and
+    the drafter went from 0.84-0.87 to 0.49-0.50 ms with the collector off. Nothing is lost: a generate call leaves
+    no cyclic garbage (a collection after each of four 128-token generations found none), and reference counting
+    frees everything else as before."""
+    with _gc_lock:
+        if _gc_state["calls"] == 0:
+            _gc_state["enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_state["calls"] += 1
+    try:
+        yield
+    finally:
+        with _gc_lock:
+            _gc_state["calls"] -= 1
+            if _gc_state["calls"] == 0 and _gc_state["enabled"]:
+                gc.enable()
 
 
 @contextlib.contextmanager
@@ -380,7 +409,7 @@ class SelfSpecModel:
         try:
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            with _generation_mode(self.target), cpu_linear.prepacked_linears(
+            with _generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
                 return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,

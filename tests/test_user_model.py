@@ -4,6 +4,7 @@ SelfSpecModel refuses to be driven from two threads at once (issue: nothing sile
 from __future__ import annotations
 
 import copy
+import gc
 import io
 import pickle
 import threading
@@ -65,6 +66,45 @@ def test_target_is_left_as_it_was(kind):
     target.eval()
     own = target.generate(IDS, max_new_tokens=12, do_sample=False)
     assert torch.equal(model.generate(IDS, max_new_tokens=12), own)
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_the_garbage_collector_is_paused_during_generate_and_left_as_it_was(enabled):
+    """The engine pauses Python's cyclic collector while it generates (a full collection over the heap costs
+    several steps' worth of time); the user's setting comes back after, also when two threads generate at once
+    and when a call fails."""
+    target = tiny_model("llama")
+    seen = []
+    model = SelfSpecModel(target, "ngram", step_observer=lambda *args: seen.append(gc.isenabled()))
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        model.generate(IDS, max_new_tokens=6)
+        assert seen and not any(seen) and gc.isenabled() is enabled
+        other = SelfSpecModel(target, "ngram")
+        started, release = threading.Event(), threading.Event()
+
+        class Streamer:  # holds the first call inside generate while the second one runs and ends
+            def put(self, value):
+                started.set()
+                release.wait(10)
+
+            def end(self):
+                pass
+
+        first = threading.Thread(target=lambda: model.generate(IDS, max_new_tokens=4, streamer=Streamer()))
+        first.start()
+        assert started.wait(10)
+        other.generate(IDS, max_new_tokens=4)
+        assert not gc.isenabled()  # the first call still runs
+        release.set()
+        first.join()
+        assert gc.isenabled() is enabled
+        with pytest.raises(ValueError):
+            model.generate(IDS, max_new_tokens=-1)
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
 
 
 def test_flex_attention_target_gets_its_attention_back():
