@@ -657,11 +657,12 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
                   "no_drafts_tokens_per_second": none.tokens_per_second}
         _write_cache("tree", fields, cached)
     if cached["no_drafts_tokens_per_second"] > cached["tokens_per_second"]:
-        warnings.warn(f"drafting with this drafter does not pay on this machine ({fields['device']}, {fields['threads']} "
+        warnings.warn(f"drafting with this drafter is predicted not to pay on this machine ({fields['device']}, {fields['threads']} "
                       f"threads): its best tree is predicted at {cached['tokens_per_second']:.1f} tokens/s and "
-                      f"generation with no drafts at {cached['no_drafts_tokens_per_second']:.1f} "
-                      "(infer.calibrate.predict_no_drafts). SelfSpecModel(target) with no drafter is faster here; a "
-                      "drafter whose drafts are accepted more often would change that", stacklevel=3)
+                      f"generation with no drafts, SelfSpecModel(target) alone, at "
+                      f"{cached['no_drafts_tokens_per_second']:.1f} (infer.calibrate.predict_no_drafts: estimates good to "
+                      "about 10%; scripts/calibrate.py times both on held-out prompts). A drafter whose drafts are "
+                      "accepted more often would change that", stacklevel=3)
     return cached["tree"]
 
 
