@@ -75,14 +75,14 @@ class Prediction:
     candidate: Candidate
     draft_seconds: float  # drafting one step (propose the tree + observe the accepted tokens)
     verify_seconds: float  # one target forward over the root and the tree's nodes
-    overhead_seconds: float = 0.0  # the engine's own work a step outside both (accept, commit, emit)
+    engine_seconds: float = 0.0  # the engine's own work a step outside both (accept, commit, emit)
 
     @property
     def tokens_per_second(self) -> float:
         """E[accepted + 1] / (draft + verify + engine cost): every step emits the accepted drafts and one
         token of the target's own."""
         return (1 + self.candidate.expected_accepted) / (self.draft_seconds + self.verify_seconds
-                                                         + self.overhead_seconds)
+                                                         + self.engine_seconds)
 
 
 NO_DRAFTS = Candidate(tree={}, nodes=0, expected_accepted=0.0)  # one token a target forward: what drafting must beat

@@ -75,7 +75,7 @@ def main(argv=None) -> int:
     print(table(choice.predictions, best, choice.no_drafts))
     print(f"best: {best.candidate.nodes} nodes, {describe(choice.tree)}, predicted "
           f"{best.tokens_per_second:.1f} tokens/s; no drafts predicted {choice.no_drafts.tokens_per_second:.1f} "
-          f"tokens/s (engine {best.overhead_seconds * 1e3:.2f} ms a step besides the forward and the drafter)")
+          f"tokens/s (engine {best.engine_seconds * 1e3:.2f} ms a step besides the forward and the drafter)")
     if choice.lookup_first is not None:
         alone, first = choice.lookup_first["alone"], choice.lookup_first["lookup_first"]
         print(f"with this tree: alone {alone['tokens_per_second']:.1f} tokens/s (tau "

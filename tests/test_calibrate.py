@@ -122,7 +122,7 @@ def test_the_engines_own_cost_a_step_counts_against_every_tree():
     large = Prediction(Candidate({"paths": [[0], [0, 0]]}, 2, 0.6), 0.3, 0.9, 0.5)
     assert small.tokens_per_second == pytest.approx(1.4 / 1.5) and large.tokens_per_second == pytest.approx(1.6 / 1.7)
     assert best_prediction([small, large]) is large
-    assert best_prediction([replace(small, overhead_seconds=0.0), replace(large, overhead_seconds=0.0)]).candidate \
+    assert best_prediction([replace(small, engine_seconds=0.0), replace(large, engine_seconds=0.0)]).candidate \
         is small.candidate
 
 
