@@ -3,6 +3,7 @@ SelfSpecModel refuses to be driven from two threads at once (issue: nothing sile
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import io
@@ -45,6 +46,30 @@ def module_state(model) -> list:
     return [(name, sorted(m.__dict__), m.training) for name, m in model.named_modules()]
 
 
+@contextlib.contextmanager
+def generating_in_another_thread(model):
+    """`model.generate` running in another thread for the duration of the block: its streamer holds the call inside
+    generate from its first token until the block ends, then the thread finishes."""
+    started, release = threading.Event(), threading.Event()
+
+    class Streamer:
+        def put(self, value):
+            started.set()
+            release.wait(10)
+
+        def end(self):
+            pass
+
+    first = threading.Thread(target=lambda: model.generate(IDS, max_new_tokens=4, streamer=Streamer()))
+    first.start()
+    assert started.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
+        first.join()
+
+
 TRAINED_KINDS = ["medusa", "eagle", "eagle3", "dflash"]
 
 
@@ -82,23 +107,9 @@ def test_the_garbage_collector_is_paused_during_generate_and_left_as_it_was(enab
         model.generate(IDS, max_new_tokens=6)
         assert seen and not any(seen) and gc.isenabled() is enabled
         other = SelfSpecModel(target, "ngram")
-        started, release = threading.Event(), threading.Event()
-
-        class Streamer:  # holds the first call inside generate while the second one runs and ends
-            def put(self, value):
-                started.set()
-                release.wait(10)
-
-            def end(self):
-                pass
-
-        first = threading.Thread(target=lambda: model.generate(IDS, max_new_tokens=4, streamer=Streamer()))
-        first.start()
-        assert started.wait(10)
-        other.generate(IDS, max_new_tokens=4)
-        assert not gc.isenabled()  # the first call still runs
-        release.set()
-        first.join()
+        with generating_in_another_thread(model):  # the first call runs while the second one runs and ends
+            other.generate(IDS, max_new_tokens=4)
+            assert not gc.isenabled()
         assert gc.isenabled() is enabled
         with pytest.raises(ValueError):
             model.generate(IDS, max_new_tokens=-1)
@@ -119,23 +130,8 @@ def test_flex_attention_target_gets_its_attention_back():
 def test_second_thread_is_refused_while_one_generates():
     target = tiny_model("llama")
     model = SelfSpecModel(target, "ngram")
-    started, release = threading.Event(), threading.Event()
-
-    class Streamer:  # holds the first call inside generate until the second one has tried
-        def put(self, value):
-            started.set()
-            release.wait(10)
-
-        def end(self):
-            pass
-
-    first = threading.Thread(target=lambda: model.generate(IDS, max_new_tokens=4, streamer=Streamer()))
-    first.start()
-    assert started.wait(10)
-    with pytest.raises(RuntimeError, match="already generating in another thread"):
+    with generating_in_another_thread(model), pytest.raises(RuntimeError, match="already generating in another thread"):
         model.generate(IDS, max_new_tokens=4)
-    release.set()
-    first.join()
     # the lock is released: the model works again, and one model per thread is the documented way
     assert torch.equal(model.generate(IDS, max_new_tokens=8), target.generate(IDS, max_new_tokens=8, do_sample=False))
 
