@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from heads.trees import NO_DRAFTS, Prediction, best_prediction, candidate_trees, prior_paths
+from heads.trees import NO_DRAFTS, Candidate, Prediction, best_prediction, candidate_trees, prior_paths
 
 from . import argmax_head, cpu_linear, lean_forward
 from . import engine as engine_module
@@ -313,22 +313,23 @@ def forward_cost(model, context: int, sizes: list[int], repeats: int) -> dict[in
     return out
 
 
-def block_costs(target, model, context: int, sizes: list[int], repeats: int) -> dict[int, float]:
+def block_costs(target, model, context: int, sizes: list[int], repeats: int, batch: int = 1) -> dict[int, float]:
     """Median seconds of `model` (the target or its lean forward) on a chain of n new nodes after a
     `context`-token prompt in the engine's KV cache, per n: mask, forward and cache writes, as a verify step
-    runs them (each timed `repeats` times after a warm-up, the block rolled back after each)."""
+    runs them (each timed `repeats` times after a warm-up, the block rolled back after each); `batch` rows of
+    prompt and chain at once."""
     vocab = target.config.get_text_config().vocab_size
     device = target.device
     g = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, vocab, (1, context), generator=g).to(device)
+    prefix = torch.randint(0, vocab, (batch, context), generator=g).to(device)
     with torch.inference_mode():
-        kv = KVState(1, device, target.config)
+        kv = KVState(batch, device, target.config)
         depth, ancestors, valid = prompt_tree(torch.ones_like(prefix))
         forward_block(target, kv, depth, ancestors, valid, input_ids=prefix, logits_to_keep=1)
         kv.commit_block(0, valid)
         start, out = kv.size, {}
         for n in sizes:
-            ids = torch.randint(0, vocab, (1, n), generator=g).to(device)
+            ids = torch.randint(0, vocab, (batch, n), generator=g).to(device)
             depth, ancestors, valid = prompt_tree(torch.ones_like(ids))
             out[n] = median_seconds(lambda: forward_block(model, kv, depth, ancestors, valid, input_ids=ids),  # noqa: B023 -- run in this iteration
                                      repeats, device, after=lambda: kv.rollback(start))
@@ -411,8 +412,7 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
     context and forward (the lean forward's and its kernel's source included: new code is measured anew)."""
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max_nodes + 1)
-    streamed = stream_rows(target) if prepack else 0
-    lean = prepack and lean_forward.why_not(target) is None
+    streamed, lean = _verify_setup(target, prepack)
     with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
         fields = {"target": _fingerprint(target), "device": device_name(target.device),
                   "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
@@ -421,13 +421,25 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
         cached = _read_cache("verify", fields)
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
-        # greedy, as calibration measures acceptance: the verify reads each node's argmax only
-        model = lean_forward.LeanForward(target, streamed, cpu_linear.PackCache(), argmax_only=True) if lean else target
-        costs = block_costs(target, model, context, list(range(1, max_nodes + 2)), repeats)
+        costs = block_costs(target, _verify_model(target, streamed, lean), context, list(range(1, max_nodes + 2)),
+                            repeats)
     _eviction_buffer.cache_clear()  # its 128 MB are not kept past the measurement
     seconds = [costs[n + 1] for n in range(max_nodes + 1)]
     _write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": seconds})
     return seconds
+
+
+def _verify_setup(target, prepack: bool) -> tuple[int, bool]:
+    """How the engine verifies on this machine: the streamed kernel's largest block (0: none), and whether the
+    lean forward runs."""
+    streamed = stream_rows(target) if prepack else 0
+    return streamed, prepack and lean_forward.why_not(target) is None
+
+
+def _verify_model(target, streamed: int, lean: bool):
+    """The forward a verify step runs: greedy, as calibration measures acceptance, so the lean forward reads each
+    node's argmax only."""
+    return lean_forward.LeanForward(target, streamed, cpu_linear.PackCache(), argmax_only=True) if lean else target
 
 
 NO_DRAFTS_TOKENS = (8, 40)  # the two generation lengths `no_drafts_step` takes the difference of
@@ -478,18 +490,18 @@ def no_drafts_step(target, *, context: int = 256, repeats: int = 5, prepack: boo
 
 
 def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repeats: int = 5,
-                prepack: bool | None = None) -> list[float]:
+                prepack: bool | None = None, batch: int = 1) -> list[float]:
     """Seconds of one drafting step per tree settings in `trees` on this machine: the drafter (a heads model)
     proposing the tree after a `context`-token prompt, plus observing a step that committed two tokens, run
-    as `SelfSpecModel` runs it by default (its lean forward where it has one).
+    as `SelfSpecModel` runs it by default (its lean forward where it has one), for `batch` rows at once.
     Trees drafted alike (dynamic ones differing only in `total_tokens` and drafting the same rows per pass,
     `pass_rows`) are timed once."""
     prepack = _prepack(target, prepack)
     device = target.device
     context = _fitting_context(target, context, 2 * (repeats + 1) + max(_depth(t) for t in trees) + 1)
     vocab = target.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(0)).to(device)
-    budget = torch.tensor([context], device=device)  # never the limit
+    ids = torch.randint(0, vocab, (batch, context), generator=torch.Generator().manual_seed(0)).to(device)
+    budget = torch.full((batch,), context, device=device)  # never the limit
     timed, observe = {}, None
     streamed = stream_rows(target) if prepack else 0
     with _generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(
@@ -508,7 +520,7 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
                 continue
             if hasattr(step, "lean_forwards"):  # as SelfSpecModel runs it by default
                 step.lean_forwards(streamed if prepack else None)
-            step.bind(target, SamplingParams(), 1)
+            step.bind(target, SamplingParams(), batch)
             step.observe(prompt)
             if observe is None:
                 observe = median_seconds(lambda s=step: s.observe(accepted), repeats, device)
@@ -537,6 +549,55 @@ def predict_no_drafts(target, *, context: int = 256, repeats: int = 5, prepack: 
     same engine), its step as `no_drafts_step` times it: what the best tree has to beat for drafting to pay."""
     step = no_drafts_step(target, context=context, repeats=repeats, prepack=prepack)
     return Prediction(NO_DRAFTS, step["draft_seconds"], step["forward_seconds"], step["engine_seconds"])
+
+
+def tree_candidate(calibration: dict, tree: dict) -> Candidate | None:
+    """The candidate of a drafter's stored statistics (`config.calibration`) that drafts `tree`, its resolved
+    tree settings; None where the statistics predict no such tree (one set by hand, say)."""
+    for measured in calibration.get("measured") or []:
+        for candidate in candidate_trees(measured, calibration.get("max_nodes", MAX_NODES)):
+            if all(tree.get(key) == value for key, value in candidate.tree.items()):
+                return candidate
+    return None
+
+
+def predict_batch(target, drafter, tree: dict, batch: int, *, context: int = 256, repeats: int = 3,
+                  prepack: bool | None = None) -> tuple[Prediction, Prediction] | None:
+    """`drafter` (a heads model) drafting `tree` and generation with no drafts, each step of `batch` rows on this
+    machine, predicted per row: (drafting, no drafts), or None where its statistics do not hold this tree.
+
+    A tree calibrated on one row costs more at several: every row's nodes go through the verify forward, which
+    on a CPU costs nearly as much again for each row (SmolLM2 on the grid kernel, Zen 5: a 4-row step 2.5 times
+    a 1-row one), while each row still gains only its own accepted drafts. So the verify of the root alone and of
+    the tree, and the drafting step, are timed here at `batch` rows; the acceptance is the stored one (a row's
+    acceptance does not depend on its neighbours) and the engine's own work a step `no_drafts_step`'s at one row.
+    Cached per target shape, drafter, tree, device, threads, context, batch and the engine's source."""
+    candidate = tree_candidate(drafter.config.calibration or {}, tree)
+    if candidate is None:
+        return None
+    prepack = _prepack(target, prepack)
+    context = _fitting_context(target, context, candidate.nodes + 1)
+    streamed, lean = _verify_setup(target, prepack)
+    engine_sources = "".join(Path(m.__file__).read_text() for m in (engine_module, verify_module, kv_module))
+    fields = {"target": _fingerprint(target), "drafter": _config_hash(drafter.config),
+              "tree": json.dumps(candidate.tree, sort_keys=True), "device": device_name(target.device),
+              "threads": torch.get_num_threads(), "context": context, "prepack": prepack, "batch": batch,
+              "engine": _hash(engine_sources + _lean_source_hash()), "caches": "evicted"}
+    cached = _read_cache("batch", fields)
+    if cached is None:
+        with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
+            verify = block_costs(target, _verify_model(target, streamed, lean), context, [1, candidate.nodes + 1],
+                                 repeats, batch=batch)
+        draft = draft_costs(target, drafter, [candidate.tree], context=context, repeats=repeats, prepack=prepack,
+                            batch=batch)[0]
+        _eviction_buffer.cache_clear()
+        cached = {"draft_seconds": draft, "verify_seconds": verify[candidate.nodes + 1],
+                  "no_drafts_verify_seconds": verify[1]}
+        _write_cache("batch", fields, cached)
+    step = no_drafts_step(target, context=context, repeats=repeats, prepack=prepack)
+    drafting = Prediction(candidate, cached["draft_seconds"], cached["verify_seconds"], step["engine_seconds"])
+    none = Prediction(NO_DRAFTS, step["draft_seconds"], cached["no_drafts_verify_seconds"], step["engine_seconds"])
+    return drafting, none
 
 
 def calibrate(target, drafter, prompts: list[torch.Tensor], *, mode: str | None = None,

@@ -30,7 +30,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu_linear, gqa_attention, lean_forward
-from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
+from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, NoDrafter, build_drafter, known
 from .drafting import Drafter, TargetStep
 from .embedded import target_tokenizer
 from .kv import KVState, forward_block, prompt_tree
@@ -221,7 +221,8 @@ class SelfSpecModel:
     def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
                  cpu_prepack: bool | None = None, lookup_first: bool | None = None, compile: bool = False,
                  static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
-                 lean_verify: bool | None = None, int8_argmax: bool = True, int8_drafter: bool = True):
+                 lean_verify: bool | None = None, int8_argmax: bool = True, int8_drafter: bool = True,
+                 draft_batches: bool | None = None):
         """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
         `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
@@ -276,7 +277,16 @@ class SelfSpecModel:
         layers run every draft step (not the prompt) on the streamed kernel. Drafting reads a quarter of the bytes
         (the shipped drafter: 0.8 ms less a step for the head on the 2-core Xeon, and on the Zen 5 EPYC its
         linears at one row 0.17 ms against 1.18 in fp32) and may rank near-ties otherwise; the output is the
-        same. False = its fp32 weights."""
+        same. False = its fp32 weights.
+
+        `draft_batches`: whether a call of several rows drafts. A trained drafter's tree is chosen for one row,
+        and each further row costs the verify forward nearly as much again on a CPU, so a tree that pays on one
+        row can lose on several (the shipped drafter on a 2-core Zen 5: 4 rows 270 tokens/s, 317 with no drafts).
+        None = where a drafter with acceptance statistics (`scripts/calibrate.py --write`) is predicted to be
+        faster than no drafts at the call's batch size (`infer.calibrate.predict_batch`: timed on the first call
+        of each batch size, then cached), else with no drafts; the same output either way, and
+        `last_stats["batch_drafting"]` says which ran and why. True = always draft; False = a call of several
+        rows never drafts. One-row calls always draft."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
         if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
@@ -293,6 +303,15 @@ class SelfSpecModel:
 
             tree = calibrated_tree(drafter, target, tokenizer, prepack=self.cpu_prepack)
         self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first, tree)
+        if draft_batches is not None and not isinstance(draft_batches, bool):
+            raise ValueError(f"draft_batches must be True, False or None, got {draft_batches!r}")
+        self.draft_batches = draft_batches
+        # a trained drafter with acceptance statistics and the tree it drafts: what predict_batch needs
+        calibration = getattr(getattr(drafter, "config", None), "calibration", None)
+        self._batch_tree = (drafter, drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})) if (
+            hasattr(drafter, "as_drafter") and calibration and calibration.get("measured")) else None
+        self._batch_choices: dict[int, dict] = {}  # per batch size: whether its calls draft, and the prediction
+        self._active: Drafter = self.drafter  # the drafter of the call in progress (NoDrafter where it stands down)
         self.step_observer = step_observer
         self.typical_acceptance = typical_acceptance
         self.static_cache = static_cache
@@ -407,16 +426,47 @@ class SelfSpecModel:
                                "per-call state, so give each thread its own SelfSpecModel (they can share the "
                                "target)")
         try:
+            # before the call's own set-up: the first call of a batch size times its steps, as calibration does
+            rows = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
+            self._active, batch_drafting = self._drafter_for(rows)
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
             with _generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
-                return self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                                      top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+                out = self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
+                                     top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+            self.last_stats["batch_drafting"] = batch_drafting
+            return out
         finally:
             self._lean = None  # it holds the target's tensors: nothing of the call outlives it
+            self._active = self.drafter
             self._busy.release()
+
+    def _drafter_for(self, rows: int) -> tuple[Drafter, dict | None]:
+        """The drafter of a call of `rows` rows (`draft_batches`): the model's own, or `NoDrafter` where a call of
+        several rows stands down; and what decided it (None for one row, or where nothing was predicted)."""
+        if rows == 1 or self.draft_batches is True or isinstance(self.drafter, NoDrafter):
+            return self.drafter, None
+        if self.draft_batches is False:
+            return NoDrafter(), {"batch": rows, "drafts": False, "why": "draft_batches=False"}
+        if self._batch_tree is None:
+            return self.drafter, None
+        choice = self._batch_choices.get(rows)
+        if choice is None:
+            from .calibrate import predict_batch
+
+            predicted = predict_batch(self.target, *self._batch_tree, rows, prepack=self.cpu_prepack)
+            if predicted is None:  # the statistics hold no such tree: nothing to go by
+                choice = None
+            else:
+                drafting, none = (rows * p.tokens_per_second for p in predicted)
+                choice = {"batch": rows, "drafts": drafting > none, "why": "predicted",
+                          "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none}}
+            self._batch_choices[rows] = choice
+        if choice is None:
+            return self.drafter, None
+        return (self.drafter if choice["drafts"] else NoDrafter()), dict(choice)
 
     def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
                   eos_token_id, pad_token_id, streamer, generation_config, generator) -> torch.Tensor:
@@ -439,15 +489,15 @@ class SelfSpecModel:
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
         done = self._emit(rows, step.next_tokens[:, None], torch.ones_like(step.next_tokens), settings, streamer)
-        self.drafter.bind(self.target, settings.sampling, input_ids.shape[0], generator)
-        self.drafter.observe(step)
+        self._active.bind(self.target, settings.sampling, input_ids.shape[0], generator)
+        self._active.observe(step)
         self._drop_finished(kv, rows, done)
 
         while len(rows.alive):
             # 2. Draft a tree below each row's root, no deeper than the row may still emit.
             tic = time.perf_counter()
             budget = self._budget(rows)
-            tree = self.drafter.propose(budget).prune_deeper_than(budget)
+            tree = self._active.propose(budget).prune_deeper_than(budget)
             stats["draft_seconds"] += time.perf_counter() - tic
             # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV.
             tic = time.perf_counter()
@@ -465,7 +515,7 @@ class SelfSpecModel:
             rows.accepted.extend(acc.length.tolist())
             # 6. The drafter learns what was committed.
             tic = time.perf_counter()
-            self.drafter.observe(step)
+            self._active.observe(step)
             stats["draft_seconds"] += time.perf_counter() - tic
             self._drop_finished(kv, rows, done)
 
@@ -484,7 +534,7 @@ class SelfSpecModel:
         tic = time.perf_counter()
         model = self._lean if self._lean is not None else self.target  # the lean forward: about 10 ms less here
         out = forward_block(model, kv, depth, ancestors, valid, input_ids=input_ids,
-                            output_hidden_states=bool(self.drafter.feature_layers), logits_to_keep=1)
+                            output_hidden_states=bool(self._active.feature_layers), logits_to_keep=1)
         stats["target_seconds"] += time.perf_counter() - tic  # inside the target's forward
         kv.mark_valid(valid)
         logits = self._constrain(out.logits[:, -1:], torch.zeros_like(input_ids[:, :1]), settings)
@@ -532,7 +582,7 @@ class SelfSpecModel:
         """The target on a verify block: its compiled forward where there is one, else eager; a compiled
         forward that fails (no compiler, an op it cannot take) is dropped with one warning, and what it wrote
         into the cache is forgotten before the eager forward."""
-        hidden = bool(self.drafter.feature_layers)
+        hidden = bool(self._active.feature_layers)
         if self._verify_forward is not None:
             size = kv.size
             try:
@@ -581,7 +631,7 @@ class SelfSpecModel:
         return kv
 
     def _features(self, out) -> tuple[torch.Tensor, ...]:
-        layers = self.drafter.feature_layers
+        layers = self._active.feature_layers
         return tuple(out.hidden_states[i] for i in layers) if layers else ()
 
     # ---------------------------------------------------------------- bookkeeping
@@ -619,7 +669,7 @@ class SelfSpecModel:
         rows.alive = rows.alive[keep]
         if len(keep):
             kv.select_rows(keep)
-            self.drafter.select_rows(keep)
+            self._active.select_rows(keep)
 
     def _assemble(self, input_ids, rows: _Rows, pad: int) -> torch.Tensor:
         width = max(len(o) for o in rows.out)

@@ -17,6 +17,7 @@ from conftest import tiny_model
 
 import heads
 from heads.trees import (
+    NO_DRAFTS,
     Candidate,
     Prediction,
     best_prediction,
@@ -297,7 +298,8 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     mask[1, :3] = 0
     expected = t.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
                           pad_token_id=0)
-    model = SelfSpecModel(t, drafter, tree="calibrated")  # measures this machine's costs, then caches the choice
+    # measures this machine's costs, then caches the choice; drafting at two rows whatever is predicted there
+    model = SelfSpecModel(t, drafter, tree="calibrated", draft_batches=True)
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
     # the verify curve, the chosen tree and (where the streamed kernel builds) the kernel choice
     assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} - {"stream_rows"} == {
@@ -312,8 +314,129 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     monkeypatch.setattr(calibrate, "no_drafts_step", measured_again)
     assert calibrate.calibrated_tree(drafter, t) == chosen
     assert chosen in [p.candidate.tree for p in predicted]
-    again = SelfSpecModel(t, drafter, tree="calibrated")
+    again = SelfSpecModel(t, drafter, tree="calibrated", draft_batches=True)
     assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
+
+
+# ---- several rows: the tree calibrated on one, or no drafts -------------------------------------------------
+
+
+def calibrated(kind: str = "eagle3", mode: str = "dynamic"):
+    """A tiny drafter with acceptance statistics (as `scripts/calibrate.py --write` stores them) and its chosen tree
+    saved as its own."""
+    t = target()
+    drafter = peaked(heads.build(kind, t))
+    calibration, predicted = calibrate.calibrate(t, drafter, prompts(), mode=mode, wide=16, max_nodes=8,
+                                                 max_new_tokens=8, context=16, repeats=1)
+    drafter.config.calibration = json.loads(json.dumps(calibration))
+    drafter.config.tree = drafter.config.resolve_tree({**drafter.config.tree, **best_prediction(predicted).candidate.tree})
+    return drafter
+
+
+def two_rows():
+    ids = torch.cat(prompts(2, seed=7))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    expected = target().generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                                 pad_token_id=0)
+    return ids, mask, expected
+
+
+def counting_proposals(model: SelfSpecModel) -> list:
+    """Every tree the model's own drafter proposes from now on (a no-drafts call proposes none)."""
+    proposed = []
+    own = model.drafter.primary if isinstance(model.drafter, LookupFirstDrafter) else model.drafter
+    propose = own.propose
+    own.propose = lambda budget: proposed.append(1) or propose(budget)
+    return proposed
+
+
+def predicting(monkeypatch, drafting: float, none: float) -> list:
+    """`predict_batch` replaced by one that predicts these tokens/s a row; returns the batch sizes it was asked."""
+    asked = []
+
+    def predict(target_model, drafter, tree, batch, **kwargs):
+        asked.append(batch)
+        return Prediction(Candidate(tree, 1, drafting - 1), 0.0, 1.0), Prediction(NO_DRAFTS, 0.0, 1 / none)
+
+    monkeypatch.setattr(calibrate, "predict_batch", predict)
+    return asked
+
+
+@pytest.mark.parametrize(("drafting", "none", "drafts"), [(1.5, 1.0, True), (1.2, 1.6, False)])
+def test_a_batch_drafts_where_drafting_is_predicted_faster_and_the_output_never_changes(drafting, none, drafts,
+                                                                                        monkeypatch):
+    asked = predicting(monkeypatch, drafting, none)
+    model = SelfSpecModel(target(), calibrated())
+    proposed = counting_proposals(model)
+    ids, mask, expected = two_rows()
+    for _ in range(2):  # predicted once per batch size
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
+    assert asked == [2]
+    choice = model.last_stats["batch_drafting"]
+    assert (choice["batch"], choice["drafts"], choice["why"]) == (2, drafts, "predicted")
+    assert choice["predicted_tokens_per_second"] == pytest.approx({"drafting": 2 * drafting, "no_drafts": 2 * none})
+    assert bool(proposed) == drafts
+    # one row drafts the tree it was calibrated for, with nothing predicted
+    proposed.clear()
+    one = model.generate(ids[1:], max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(one, target().generate(ids[1:], do_sample=False, max_new_tokens=12, eos_token_id=None))
+    assert proposed and model.last_stats["batch_drafting"] is None and asked == [2]
+
+
+def test_draft_batches_true_always_drafts_and_false_never_does_at_several_rows(monkeypatch):
+    asked = predicting(monkeypatch, 1.0, 9.0)  # no drafts predicted far faster
+    drafter = calibrated()
+    ids, mask, expected = two_rows()
+    always = SelfSpecModel(target(), drafter, draft_batches=True)
+    proposed = counting_proposals(always)
+    assert torch.equal(always.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
+    assert proposed and always.last_stats["batch_drafting"] is None
+    never = SelfSpecModel(target(), drafter, draft_batches=False)
+    proposed = counting_proposals(never)
+    assert torch.equal(never.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
+    assert not proposed and never.last_stats["batch_drafting"] == {"batch": 2, "drafts": False,
+                                                                    "why": "draft_batches=False"}
+    assert asked == []
+    with pytest.raises(ValueError, match="draft_batches must be True, False or None"):
+        SelfSpecModel(target(), drafter, draft_batches="auto")
+
+
+def test_a_drafter_without_statistics_or_with_a_tree_they_do_not_hold_drafts_every_batch(monkeypatch):
+    asked = predicting(monkeypatch, 1.0, 9.0)
+    ids, mask, expected = two_rows()
+    fresh = SelfSpecModel(target(), peaked(heads.build("eagle3", target())))  # never calibrated: nothing to go by
+    proposed = counting_proposals(fresh)
+    assert torch.equal(fresh.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
+    assert proposed and asked == [] and fresh.last_stats["batch_drafting"] is None
+    drafter = calibrated()
+    assert calibrate.tree_candidate(drafter.config.calibration, drafter.config.tree) is not None
+    by_hand = {**drafter.config.tree, "min_confidence": 0.5}  # no candidate of the statistics drafts with an early stop
+    assert calibrate.tree_candidate(drafter.config.calibration, drafter.config.resolve_tree(by_hand)) is None
+    monkeypatch.undo()
+    model = SelfSpecModel(target(), drafter, tree=by_hand)
+    proposed = counting_proposals(model)
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
+    assert proposed and model.last_stats["batch_drafting"] is None
+
+
+def test_predict_batch_times_both_ways_at_the_batch_size_and_caches_them(tmp_path, monkeypatch):
+    monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
+    drafter = calibrated()
+    batches = []
+    block_costs, draft_costs = calibrate.block_costs, calibrate.draft_costs
+    monkeypatch.setattr(calibrate, "block_costs", lambda *a, **k: batches.append(k["batch"]) or block_costs(*a, **k))
+    monkeypatch.setattr(calibrate, "draft_costs", lambda *a, **k: batches.append(k["batch"]) or draft_costs(*a, **k))
+    drafting, none = calibrate.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
+    assert batches == [3, 3]
+    candidate = calibrate.tree_candidate(drafter.config.calibration, drafter.config.tree)
+    assert drafting.candidate == candidate and none.candidate == NO_DRAFTS
+    assert min(drafting.draft_seconds, drafting.verify_seconds, none.verify_seconds) > 0
+    assert drafting.engine_seconds == none.engine_seconds
+    again = calibrate.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
+    assert again == (drafting, none) and batches == [3, 3]  # read from the cache
+    calibrate.predict_batch(target(), drafter, drafter.config.tree, 2, context=16, repeats=1)
+    assert batches == [3, 3, 2, 2]  # another batch size is timed anew
 
 
 def test_two_cpus_of_one_bare_model_name_keep_their_own_costs():
