@@ -21,6 +21,10 @@ are measured apart:
    lookup first, timed, interleaved; `--write` records whether lookup first was faster in the drafter's
    `config.lookup_first`, the default `SelfSpecModel` follows.
 
+5. several rows (`predict_batch`): the tree is chosen for one row, but every row of a batch adds its nodes to the
+   verify forward, so at a call's batch size its verify and drafting step are timed again beside the root alone;
+   `SelfSpecModel` drafts a call of several rows only where that predicts drafting to be faster (`draft_batches`).
+
 `SelfSpecModel(target, drafter, tree="calibrated")` runs 2 and 3 on first use (`calibrated_tree`) and
 caches the choice, so a drafter calibrated once picks its tree again on every machine it runs on. A
 calibrated dynamic tree drafts without the early stop (`min_confidence` 0): the statistics are of the full
