@@ -254,7 +254,7 @@ def measure_acceptance(target, drafter, prompts: list[torch.Tensor], tree: dict,
                          f"with total_tokens >= max_nodes")
     recorder = AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"), max_nodes=max_nodes)
     model = SelfSpecModel(target, drafter, tokenizer=tokenizer, tree=tree, cpu_prepack=prepack,
-                          lookup_first=False, step_observer=recorder)
+                          lookup_first=False, step_observer=recorder, draft_batches=True)  # the recorder needs drafts
     for ids in prompts:
         model.generate(ids, max_new_tokens=max_new_tokens)
     return {**recorder.statistics(), "tree": tree}

@@ -42,6 +42,11 @@ MASKABLE_ATTENTION = ("sdpa", "eager")
 # With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
 # a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
+# estimates good to about 10% (docs/training.md), and where the two are that close no drafts loses little. Seen on a
+# 2-core Zen 5 (2026-11-28, all 80 MT-bench first turns, two rows a call): drafting predicted 3% ahead, measured 25%
+# behind as the shipped drafter loads (lookup first) and 4% behind alone in steady steps.
+BATCH_MARGIN = 1.1
 # Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
 VERIFY_ROOM = VERIFY_BUCKETS[-1]
 
@@ -283,8 +288,8 @@ class SelfSpecModel:
         and each further row costs the verify forward nearly as much again on a CPU, so a tree that pays on one
         row can lose on several (the shipped drafter on a 2-core Zen 5: 4 rows 270 tokens/s, 317 with no drafts).
         None = where a drafter with acceptance statistics (`scripts/calibrate.py --write`) is predicted to be
-        faster than no drafts at the call's batch size (`infer.calibrate.predict_batch`: timed on the first call
-        of each batch size, then cached), else with no drafts; the same output either way, and
+        faster than no drafts at the call's batch size by more than `BATCH_MARGIN` (`infer.calibrate.predict_batch`:
+        timed on the first call of each batch size, then cached), else with no drafts; the same output either way, and
         `last_stats["batch_drafting"]` says which ran and why. True = always draft; False = a call of several
         rows never drafts. One-row calls always draft."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
@@ -310,7 +315,7 @@ class SelfSpecModel:
         calibration = getattr(getattr(drafter, "config", None), "calibration", None)
         self._batch_tree = (drafter, drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})) if (
             hasattr(drafter, "as_drafter") and calibration and calibration.get("measured")) else None
-        self._batch_choices: dict[int, dict] = {}  # per batch size: whether its calls draft, and the prediction
+        self._batch_choices: dict[int, dict | None] = {}  # per batch size: whether its calls draft, and why
         self._active: Drafter = self.drafter  # the drafter of the call in progress (NoDrafter where it stands down)
         self.step_observer = step_observer
         self.typical_acceptance = typical_acceptance
@@ -452,8 +457,7 @@ class SelfSpecModel:
             return NoDrafter(), {"batch": rows, "drafts": False, "why": "draft_batches=False"}
         if self._batch_tree is None:
             return self.drafter, None
-        choice = self._batch_choices.get(rows)
-        if choice is None:
+        if rows not in self._batch_choices:
             from .calibrate import predict_batch
 
             predicted = predict_batch(self.target, *self._batch_tree, rows, prepack=self.cpu_prepack)
@@ -461,9 +465,11 @@ class SelfSpecModel:
                 choice = None
             else:
                 drafting, none = (rows * p.tokens_per_second for p in predicted)
-                choice = {"batch": rows, "drafts": drafting > none, "why": "predicted",
-                          "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none}}
+                choice = {"batch": rows, "drafts": drafting > BATCH_MARGIN * none, "why": "predicted",
+                          "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none},
+                          "margin": BATCH_MARGIN}
             self._batch_choices[rows] = choice
+        choice = self._batch_choices[rows]
         if choice is None:
             return self.drafter, None
         return (self.drafter if choice["drafts"] else NoDrafter()), dict(choice)

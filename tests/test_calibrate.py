@@ -26,7 +26,7 @@ from heads.trees import (
     prior_paths,
     ranked_paths,
 )
-from infer import calibrate
+from infer import calibrate, engine
 from infer.drafters import LookupFirstDrafter
 from infer.drafting import TargetStep
 from infer.engine import SelfSpecModel
@@ -363,7 +363,7 @@ def predicting(monkeypatch, drafting: float, none: float) -> list:
     return asked
 
 
-@pytest.mark.parametrize(("drafting", "none", "drafts"), [(1.5, 1.0, True), (1.2, 1.6, False)])
+@pytest.mark.parametrize(("drafting", "none", "drafts"), [(1.5, 1.0, True), (1.2, 1.6, False), (1.05, 1.0, False)])
 def test_a_batch_drafts_where_drafting_is_predicted_faster_and_the_output_never_changes(drafting, none, drafts,
                                                                                         monkeypatch):
     asked = predicting(monkeypatch, drafting, none)
@@ -375,6 +375,7 @@ def test_a_batch_drafts_where_drafting_is_predicted_faster_and_the_output_never_
     assert asked == [2]
     choice = model.last_stats["batch_drafting"]
     assert (choice["batch"], choice["drafts"], choice["why"]) == (2, drafts, "predicted")
+    assert choice["margin"] == engine.BATCH_MARGIN > 1.05  # drafting predicted within it: no drafts
     assert choice["predicted_tokens_per_second"] == pytest.approx({"drafting": 2 * drafting, "no_drafts": 2 * none})
     assert bool(proposed) == drafts
     # one row drafts the tree it was calibrated for, with nothing predicted
