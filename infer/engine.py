@@ -286,7 +286,8 @@ class SelfSpecModel:
 
         `draft_batches`: whether a call of several rows drafts. A trained drafter's tree is chosen for one row,
         and each further row costs the verify forward nearly as much again on a CPU, so a tree that pays on one
-        row can lose on several (the shipped drafter on a 2-core Zen 5: 4 rows 270 tokens/s, 317 with no drafts).
+        row can lose on several (the shipped drafter on a 2-core Zen 5, 80 MT-bench first turns 4 a call: 194.1
+        tokens/s drafting, 338.3 with no drafts).
         None = where a drafter with acceptance statistics (`scripts/calibrate.py --write`) is predicted to be
         faster than no drafts at the call's batch size by more than `BATCH_MARGIN` (`infer.calibrate.predict_batch`:
         timed on the first call of each batch size, then cached), else with no drafts; the same output either way, and
