@@ -408,6 +408,12 @@ def _lean_source_hash() -> str:
                  + Path(argmax_head.__file__).read_text())
 
 
+def _engine_source_hash() -> str:
+    """The engine's source and its forward's: a step of generation timed with other code is timed anew."""
+    sources = "".join(Path(m.__file__).read_text() for m in (engine_module, verify_module, kv_module))
+    return _hash(sources + _lean_source_hash())
+
+
 def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repeats: int = 5,
                  prepack: bool | None = None) -> list[float]:
     """Seconds of one verify forward over the root and n = 0..max_nodes drafted nodes on this machine, run as
@@ -461,9 +467,8 @@ def no_drafts_step(target, *, context: int = 256, repeats: int = 5, prepack: boo
     threads, context and the engine's source."""
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, max(NO_DRAFTS_TOKENS) + 1)
-    engine_sources = "".join(Path(m.__file__).read_text() for m in (engine_module, verify_module, kv_module))
     fields = {"target": _fingerprint(target), "device": device_name(target.device), "threads": torch.get_num_threads(),
-              "context": context, "prepack": prepack, "engine": _hash(engine_sources + _lean_source_hash())}
+              "context": context, "prepack": prepack, "engine": _engine_source_hash()}
     cached = _read_cache("no_drafts", fields)
     if cached is not None:
         return {name: cached[name] for name in ("engine_seconds", "forward_seconds", "draft_seconds")}
@@ -582,11 +587,10 @@ def predict_batch(target, drafter, tree: dict, batch: int, *, context: int = 256
     prepack = _prepack(target, prepack)
     context = _fitting_context(target, context, candidate.nodes + 1)
     streamed, lean = _verify_setup(target, prepack)
-    engine_sources = "".join(Path(m.__file__).read_text() for m in (engine_module, verify_module, kv_module))
     fields = {"target": _fingerprint(target), "drafter": _config_hash(drafter.config),
               "tree": json.dumps(candidate.tree, sort_keys=True), "device": device_name(target.device),
               "threads": torch.get_num_threads(), "context": context, "prepack": prepack, "batch": batch,
-              "engine": _hash(engine_sources + _lean_source_hash()), "caches": "evicted"}
+              "engine": _engine_source_hash(), "caches": "evicted"}
     cached = _read_cache("batch", fields)
     if cached is None:
         with _generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
