@@ -4,10 +4,10 @@ as it loads, which drafts a call of several rows only where drafting is predicte
 
     python scripts/bench_batches.py --questions ../shared/data/mt_bench.jsonl --batches 2 4 8 --out batches.json
 
-Questions are taken in order, `--batch` at a time (left-padded), and every method runs each batch before the next
-batch starts, so a slow phase of the machine hits all of them alike. The first batch of each size is run once
-untimed first (a drafter's first call of a batch size times its prediction). Every selfspec output is compared
-with transformers' output for the same batch.
+Questions are taken in order, as many a call as the batch size (left-padded), and every method runs each batch
+before the next batch starts, so a slow phase of the machine hits all of them alike. The first batch of each size
+is run once untimed first (a drafter's first call of a batch size times its prediction). Every selfspec output is
+compared with transformers' output for the same batch.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def run_batch(methods: dict, target, enc, max_new_tokens: int, rows: dict) -> di
         for key in ("target_forwards", "row_forwards", "target_seconds", "draft_seconds"):
             rows[name][key] += stats[key]
         if name == "drafter as it loads":
-            choice = model.last_stats["batch_drafting"]
+            choice = stats["batch_drafting"]
     return choice
 
 
