@@ -45,7 +45,7 @@ VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
 # estimates good to about 10% (docs/training.md), and where the two are that close no drafts loses little. Seen on a
 # 2-core Zen 5 (2026-11-28, all 80 MT-bench first turns, two rows a call): drafting predicted 3% ahead, measured 25%
-# behind as the shipped drafter loads (lookup first) and 4% behind alone in steady steps.
+# behind as the shipped drafter loads (lookup first); alone, in a shorter check, 7% behind (docs/benchmarks.md).
 BATCH_MARGIN = 1.1
 # Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
 VERIFY_ROOM = VERIFY_BUCKETS[-1]
@@ -462,14 +462,12 @@ class SelfSpecModel:
             from .calibrate import predict_batch
 
             predicted = predict_batch(self.target, *self._batch_tree, rows, prepack=self.cpu_prepack)
-            if predicted is None:  # the statistics hold no such tree: nothing to go by
-                choice = None
-            else:
+            self._batch_choices[rows] = None  # the statistics hold no such tree: nothing to go by
+            if predicted is not None:
                 drafting, none = (rows * p.tokens_per_second for p in predicted)
-                choice = {"batch": rows, "drafts": drafting > BATCH_MARGIN * none, "why": "predicted",
-                          "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none},
-                          "margin": BATCH_MARGIN}
-            self._batch_choices[rows] = choice
+                self._batch_choices[rows] = {"batch": rows, "drafts": drafting > BATCH_MARGIN * none,
+                                             "why": "predicted", "margin": BATCH_MARGIN,
+                                             "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none}}
         choice = self._batch_choices[rows]
         if choice is None:
             return self.drafter, None
