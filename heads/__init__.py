@@ -20,6 +20,8 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PretrainedConfig, PreTrainedModel
 
+from infer.embedded import beside_a_local_folder, looks_local
+
 from . import export
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
 from .dflash import DFlashConfig, DFlashModel
@@ -112,10 +114,13 @@ def check_source(path_or_hub_id, subfolder: str = "") -> None:
         raise ValueError(f"{path} is a file; a drafter is a folder (config.json + model.safetensors) or a hub id")
     try:
         validate_repo_id(str(path_or_hub_id))
+        hub_id = not looks_local(path_or_hub_id)
     except HFValidationError:
+        hub_id = False
+    if not hub_id:
         shipped = ", ".join(shipped_drafters()) or "none"
-        raise FileNotFoundError(f"no drafter at {path_or_hub_id}: not a folder, not a hub id (owner/name) and not "
-                                f"a shipped drafter ({shipped}); check the path") from None
+        raise FileNotFoundError(f"no drafter at {path_or_hub_id}: no such folder ({path.absolute()}), and not a hub "
+                                f"id (owner/name) or a shipped drafter ({shipped}); check the path")
 
 
 # PretrainedConfig bookkeeping fields not worth listing in error messages.
@@ -138,6 +143,10 @@ def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
         if os.path.exists(path_or_hub_id):
             raise
         shipped = ", ".join(shipped_drafters()) or "none"
+        if beside_a_local_folder(path_or_hub_id):
+            raise FileNotFoundError(f"no drafter at {path_or_hub_id}: no such folder "
+                                    f"({Path(path_or_hub_id).absolute()}), not a shipped drafter ({shipped}), and as "
+                                    f"a hub id: {err}") from err
         raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, not a shipped drafter ({shipped}), and "
                       f"as a hub id: {err}") from err
     model_type = config_dict.get("model_type")

@@ -11,7 +11,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
+import types
+import typing
 import warnings
 
 import torch
@@ -26,6 +29,9 @@ from .card import write_model_card
 from .kinds import REGISTRY
 
 WEIGHTS_NAME = "model.safetensors"
+# Most tokens a drafter drafts past the root (Medusa heads, a DFlash block): acceptance multiplies along a chain,
+# so tokens that deep are almost never kept, while training allocates activations and logits for every one.
+MAX_DRAFT_DEPTH = 64
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
@@ -74,10 +80,24 @@ class DrafterConfig(PretrainedConfig):
 
     def __post_init__(self, **kwargs):
         super().__post_init__(**kwargs)
-        self.tree = self.resolve_tree(self.tree)
         if self.lookup_first not in (None, True, False):
             raise ValueError(f"lookup_first must be true, false or null (unset), got {self.lookup_first!r}; "
                              "scripts/calibrate.py --write measures and sets it")
+        self.check_field_types()
+        self.tree = self.resolve_tree(self.tree)
+
+    def check_field_types(self) -> None:
+        """Each field the drafter kinds declare holds a value of its annotated kind, so `draft_vocab_size: "48"` or
+        `tree: [4, 6]` is refused by name, not as an error deep inside the model. Numbers and bools pass for one
+        another here: each kind checks its numeric fields' values itself."""
+        for klass in type(self).__mro__[: type(self).__mro__.index(DrafterConfig) + 1]:
+            for name, written in vars(klass).get("__annotations__", {}).items():
+                # postponed annotations are strings, evaluated in the module that wrote them
+                annotation = eval(written, vars(sys.modules[klass.__module__])) if isinstance(written, str) else written
+                value = getattr(self, name, None)
+                if not _is_a(value, annotation):
+                    raise TypeError(f"{self.model_type} config field {name!r} must be {written}, got "
+                                    f"{type(value).__name__} {value!r:.60}")
 
     def resolve_tree(self, tree: dict | None) -> dict:
         tree = dict(tree or {})
@@ -103,6 +123,21 @@ class DrafterConfig(PretrainedConfig):
         return dict(base_model_name_or_path=name, target_model_type=config.model_type,
                     target_hidden_size=config.hidden_size, target_vocab_size=config.vocab_size,
                     target_num_layers=config.num_hidden_layers)
+
+
+def _is_a(value, annotation) -> bool:
+    """isinstance for the annotations drafter configs use (int, float, bool, str, dict, list[int], `X | None`),
+    where any number or bool passes for int, float and bool."""
+    if isinstance(annotation, types.UnionType):
+        return any(_is_a(value, arg) for arg in typing.get_args(annotation))
+    if annotation is None or annotation is type(None):
+        return value is None
+    if typing.get_origin(annotation) is list:
+        (item,) = typing.get_args(annotation)
+        return isinstance(value, list) and all(_is_a(v, item) for v in value)
+    if annotation in (int, float, bool):
+        return isinstance(value, (int, float, bool))
+    return isinstance(value, annotation)
 
 
 class _TargetParts(dict):

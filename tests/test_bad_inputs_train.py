@@ -17,6 +17,7 @@ from conftest import tiny_model
 from train_fixtures import char_tokenizer, conversations, save_tiny_target, write_messages
 
 import heads
+from infer.embedded import resolve_target
 from train.config import TrainConfig, load_config
 from train.data import build_samples, load_rows
 from train.train_heads import parse_args, train
@@ -121,6 +122,46 @@ def _hub_id_shaped_missing_path(c: Ctx):
     return heads.load("runs-that-do-not-exist/drafter")
 
 
+def _in_a_folder_with_models(c: Ctx) -> None:
+    """Work in c.tmp, which holds a folder models/ (but no models/my-target), offline."""
+    (c.tmp / "models").mkdir()
+    c.monkeypatch.chdir(c.tmp)
+    c.offline()
+
+
+def _missing_target(c: Ctx, name: str, **values):
+    """train() on the shared data with `name` as its target, from c.tmp (which holds models/)."""
+    _in_a_folder_with_models(c)
+    return c.train(target=name, **values)
+
+
+def _drafter_whose_target_is_missing(c: Ctx):
+    from infer import SelfSpecModel
+
+    drafter = heads.load(c.shared["drafter"])
+    drafter.config.base_model_name_or_path = str(c.tmp / "models" / "my-target")
+    drafter.save_pretrained(c.tmp / "drafter")
+    return SelfSpecModel.from_pretrained(str(c.tmp / "drafter"))
+
+
+def _regenerate(c: Ctx, *argv):
+    from train.regenerate import main
+
+    return main(["--target", c.shared["target"], "--data", c.shared["data"], "--out", str(c.tmp / "o.jsonl"),
+                 *map(str, argv)])
+
+
+def _synthesize(c: Ctx, *argv):
+    from train.synthesize_prompts import main
+
+    return main(["--target", c.shared["target"], "--out", str(c.tmp / "p.jsonl"), "--count", "2", *map(str, argv)])
+
+
+def _long_conversation(c: Ctx) -> str:
+    return c.jsonl({"messages": [USER, {"role": "assistant", "content": "yo " * 100}]},
+                   {"messages": [USER, ASSISTANT]})
+
+
 USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
 
 # id: (call, error type, message fragment)
@@ -128,7 +169,7 @@ CASES = {
     # ---- settings: refused by load_config, before anything runs -----------------------------------------
     "lr zero": (lambda c: c.config(lr=0), ValueError, "'lr' must be > 0, got 0.0"),
     "lr negative": (lambda c: c.config(lr=-1e-3), ValueError, "'lr' must be > 0"),
-    "lr nan": (lambda c: c.config(lr=".nan"), ValueError, "'lr' must be > 0, got nan"),
+    "lr nan": (lambda c: c.config(lr=".nan"), ValueError, "'lr' must be a finite number, got nan"),
     "warmup negative": (lambda c: c.config(warmup_steps=-5), ValueError, "'warmup_steps' must be >= 0"),
     "feature noise negative": (lambda c: c.config(feature_noise=-1), ValueError, "'feature_noise' must be >= 0"),
     "max_steps negative": (lambda c: c.config(max_steps=-5), ValueError,
@@ -172,6 +213,48 @@ CASES = {
     "TrainConfig built in Python": (lambda c: train(TrainConfig(data=c.shared["data"], lr=0.0)), ValueError,
                                     "'lr' must be > 0"),
     "missing config file": (lambda c: load_config(c.tmp / "nope.yaml"), ValueError, "does not exist"),
+    "lr infinite": (lambda c: c.config(lr=".inf"), ValueError, "'lr' must be a finite number, got inf"),
+    "loss weight infinite": (lambda c: c.config(feature_loss_weight=".inf"), ValueError,
+                             "'feature_loss_weight' must be a finite number"),
+    "seed negative": (lambda c: c.config(seed=-1), ValueError, "'seed' must be in [0, 2**32), got -1"),
+    "seed too large": (lambda c: c.config(seed=2**32), ValueError, "'seed' must be in [0, 2**32)"),
+    "empty target": (lambda c: c.config(target=""), ValueError, "'target' is empty: give a local folder"),
+    "empty data_split": (lambda c: c.config(data_split=""), ValueError, "'data_split' is empty"),
+    "offline features without a cache folder": (lambda c: c.config(features="offline", feature_cache_dir=""),
+                                                ValueError, "'feature_cache_dir' is empty with features: offline"),
+    "ttt_steps absurd": (lambda c: c.config(ttt_steps=1000), ValueError, "'ttt_steps' must be <= 64, got 1000"),
+    "eval_steps_depth absurd": (lambda c: c.config(eval_steps_depth=10**5), ValueError,
+                                "'eval_steps_depth' must be <= 64"),
+    "tree given as a list": (lambda c: c.config(drafter_options={"tree": [4, 6]}), TypeError,
+                             "'drafter_options' gives tree as list [4, 6]; it is a mapping of tree settings"),
+    "tree given as a string": (lambda c: c.config(drafter_options={"tree": "top_k=4"}), TypeError,
+                               "gives tree as str"),
+    "drafter option misspelt, at the door": (
+        lambda c: c.config(drafter="medusa", drafter_options={"num_head": 2}), ValueError,
+        "unknown medusa options ['num_head']; did you mean 'num_heads'"),
+    "drafter option of the wrong type": (lambda c: heads.build("eagle3", tiny_model("llama"), draft_vocab_size="48"),
+                                         TypeError, "config field 'draft_vocab_size' must be int | None, got str"),
+    "drafter option a string for a list": (lambda c: heads.build("dflash", tiny_model("llama"), feature_layers="2,4"),
+                                           TypeError, "config field 'feature_layers' must be list[int] | None"),
+    "medusa num_heads absurd": (lambda c: heads.build("medusa", tiny_model("llama"), num_heads=10**4), ValueError,
+                                "Medusa num_heads must be <= 64"),
+    "dflash block_size absurd": (lambda c: heads.build("dflash", tiny_model("llama"), block_size=10**6), ValueError,
+                                 "DFlash block_size must be <= 65"),
+    "lora_target_modules not names": (lambda c: c.config(drafter="medusa", lora_r=2, lora_target_modules=[1]),
+                                      ValueError, "'lora_target_modules' must list the names"),
+    "lora_target_modules empty": (lambda c: c.config(drafter="medusa", lora_r=2, lora_target_modules=[]),
+                                  ValueError, "'lora_target_modules' must list the names"),
+    "lora_target_modules naming no module": (
+        lambda c: c.train(target=c.shared["target"], drafter="medusa", lora_r=2, lora_target_modules=["qproj"]),
+        ValueError, "names ['qproj'], which match no module of the target; its linear layers are"),
+    "TrainConfig built in Python with a wrong type": (lambda c: train(TrainConfig(data="d.jsonl", lr="fast")),
+                                                      TypeError, "config key 'lr' expects float, got 'fast'"),
+    "TrainConfig built in Python with options as a string": (
+        lambda c: train(TrainConfig(data="d.jsonl", drafter_options="num_heads=2")), TypeError,
+        "config key 'drafter_options' expects dict"),
+    "samples longer than the target's context": (
+        lambda c: c.train(target=c.shared["target"], data=_long_conversation(c)), ValueError,
+        "are longer than the target's context of 256 tokens (max_position_embeddings); set max_length <= 256"),
 
     # ---- data files: named by file and line, rows by position and id ------------------------------------
     "malformed jsonl line": (
@@ -224,6 +307,51 @@ CASES = {
     "train on a malformed file": (lambda c: c.train(data=c.write("d.jsonl", '{"messages": [USER]}\n')),
                                   ValueError, "line 1 is not valid JSON"),
 
+    # ---- a target that is not there: named as a missing folder, not as a hub id or connection error -------
+    "train: missing absolute target folder": (lambda c: c.train(target=str(c.tmp / "models" / "my-target")),
+                                              FileNotFoundError, "no such folder: "),
+    "train: missing ./ target folder": (lambda c: _missing_target(c, "./models/my-target"), FileNotFoundError,
+                                        "no such folder: './models/my-target' (the target; looked for"),
+    "train: missing target folder beside its parent": (
+        lambda c: _missing_target(c, "models/my-target"), FileNotFoundError,
+        "no such folder: 'models/my-target' (the target; looked for"),
+    "train: missing nested target folder": (lambda c: _missing_target(c, "models/org/my-target"), FileNotFoundError,
+                                            "no such folder: 'models/org/my-target'"),
+    "train: target is a file": (lambda c: c.train(target=c.write("target.gguf", "x")), ValueError,
+                                "target.gguf' is a file, not a folder; give a folder holding the target"),
+    "train: missing drafter_init, before the target loads": (
+        lambda c: c.train(drafter_init=str(c.tmp / "runs" / "old" / "drafter")), FileNotFoundError,
+        "no such folder"),
+    "resolve_target: missing ./ folder": (lambda c: resolve_target("./no-such-models/my-target"), FileNotFoundError,
+                                          "no such folder: './no-such-models/my-target'"),
+    "resolve_target: missing folder as a Path": (lambda c: resolve_target(c.tmp / "my-target"), FileNotFoundError,
+                                                 "no such folder"),
+    "regenerate: missing target folder": (lambda c: _regenerate(c, "--target", "./models/my-target"),
+                                          FileNotFoundError, "no such folder: './models/my-target' (--target"),
+    "synthesize_prompts: missing target folder": (lambda c: _synthesize(c, "--target", c.tmp / "my-target"),
+                                                  FileNotFoundError, "no such folder"),
+
+    # ---- generation settings of train.regenerate and train.synthesize_prompts, before the target loads -------
+    "regenerate: top_p above one": (lambda c: _regenerate(c, "--temperature", 0.7, "--top_p", 5), ValueError,
+                                    "top_p must be in (0, 1] (1 = off), got 5.0"),
+    "regenerate: temperature nan": (lambda c: _regenerate(c, "--temperature", "nan"), ValueError,
+                                    "temperature must be a finite number >= 0 (0 = greedy), got nan"),
+    "regenerate: temperature negative": (lambda c: _regenerate(c, "--temperature", -1), ValueError,
+                                         "temperature must be a finite number >= 0"),
+    "regenerate: batch_size zero": (lambda c: _regenerate(c, "--batch_size", 0), ValueError,
+                                    "batch_size must be an int >= 1, got 0"),
+    "regenerate: max_new_tokens zero": (lambda c: _regenerate(c, "--max_new_tokens", 0), ValueError,
+                                        "max_new_tokens must be an int >= 1"),
+    "regenerate: max_samples negative": (lambda c: _regenerate(c, "--max_samples", -3), ValueError,
+                                         "max_samples must be an int >= 0"),
+    "synthesize_prompts: temperature nan": (lambda c: _synthesize(c, "--temperature", "nan"), ValueError,
+                                            "temperature must be a finite number >= 0"),
+    "synthesize_prompts: top_p zero": (lambda c: _synthesize(c, "--top_p", 0), ValueError, "top_p must be in (0, 1]"),
+    "synthesize_prompts: count zero": (lambda c: _synthesize(c, "--count", 0), ValueError,
+                                       "count must be an int >= 1, got 0"),
+    "SelfSpecModel.from_pretrained: the recorded target folder is gone": (
+        _drafter_whose_target_is_missing, FileNotFoundError, "no such folder"),
+
     # ---- output_dir, resume and overwrite: checked before the target loads ------------------------------
     "output_dir is a file": (lambda c: c.train(output_dir=c.write("out.txt", "x")), ValueError,
                              "is a file, not a folder; choose another output_dir"),
@@ -252,7 +380,12 @@ CASES = {
     "load a missing folder": (lambda c: heads.load(c.tmp / "nope" / "drafter"), FileNotFoundError,
                               "no drafter at"),
     "load a missing relative path": (lambda c: heads.load("no/such/run/drafter"), FileNotFoundError,
-                                     "not a folder, not a hub id"),
+                                     "no drafter at no/such/run/drafter: no such folder"),
+    "load a missing ./ path": (lambda c: heads.load("./runs/drafter"), FileNotFoundError,
+                               "no drafter at ./runs/drafter: no such folder"),
+    "load a missing folder beside its parent": (
+        lambda c: (_in_a_folder_with_models(c), heads.load("models/drafter")), FileNotFoundError,
+        "no drafter at models/drafter: no such folder"),
     "load a folder without config.json": (lambda c: heads.load(c.tmp), ValueError,
                                           "is a folder without config.json, so not a saved drafter"),
     "load a run folder": (lambda c: heads.load(_run_folder_without_drafter_config(c)), ValueError,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -77,7 +78,7 @@ class TrainConfig:
     save_every: int = 0  # optimizer steps between checkpoints (0 = none)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: bool = False  # continue from the newest intact checkpoint in <output_dir>/checkpoints, with the same settings
-    overwrite: bool = False  # start a new run in a used output_dir: deletes its checkpoints/, drafter/, history.jsonl, result.json
+    overwrite: bool = False  # start a new run in a used output_dir; the old run waits in previous_run/ until the new one first saves
     halt_after_steps: int = 0  # stop after this many steps without the final save, as a kill would (tests, preemption drills)
     max_train_minutes: float = 0.0  # a wall-clock budget for the loop (0 = none): when spent, the run ends as at max_steps (final evaluation, drafter folder) with its schedule cut where it stood; for leased machines
     report_to: str = "none"  # none | wandb (WANDB_MODE=offline/disabled is honoured)
@@ -115,19 +116,22 @@ def _coerce(name: str, value, source: str):
             value = float(value)
         except ValueError:
             pass
-    ok = {
-        bool: lambda v: isinstance(v, bool),
-        int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-        float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
-        str: lambda v: isinstance(v, str),
-        list: lambda v: isinstance(v, list),
-        dict: lambda v: isinstance(v, dict),
-    }[origin]
     if value is None and origin is str:
         value = ""
-    if not ok(value):
+    if not TYPE_CHECKS[origin](value):
         raise TypeError(f"config key {name!r} in {source} expects {origin.__name__}, got {value!r}")
     return float(value) if origin is float else value
+
+
+# What each field type accepts (an int is a float too; a bool is no number).
+TYPE_CHECKS = {
+    bool: lambda v: isinstance(v, bool),
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    list: lambda v: isinstance(v, list),
+    dict: lambda v: isinstance(v, dict),
+}
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | dict | None = None) -> TrainConfig:
@@ -181,12 +185,20 @@ NON_NEGATIVE = {
     "halt_after_steps": "0 = never halt",
     "max_train_minutes": "0 = no time budget",
 }
+# Unrolled steps (ttt_steps, eval_steps_depth): each one attends to all earlier ones and keeps its activations
+# for the backward pass, so memory grows with the square of their number; a typo's thousands exhaust any machine.
+MAX_UNROLLED_STEPS = 64
+SEEDS = 2**32  # numpy, which accelerate's set_seed seeds too, takes seeds in [0, 2**32)
 
 
 def validate(config: TrainConfig) -> None:
     """Checks that need no model or data; raise before anything expensive runs."""
     import heads
 
+    for name in _fields():  # a TrainConfig built in Python has not been through `_coerce`
+        origin = typing.get_origin(_field_type(name)) or _field_type(name)
+        if not TYPE_CHECKS[origin](getattr(config, name)):
+            raise TypeError(f"config key {name!r} expects {origin.__name__}, got {getattr(config, name)!r}")
     choices = {
         "drafter": tuple(heads.REGISTRY),
         "features": ("online", "offline"),
@@ -202,20 +214,17 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(f"config key {name!r} must be one of {allowed}, got {getattr(config, name)!r}")
     if not config.data:
         raise ValueError("config key 'data' is empty: give a hub dataset id or a .json/.jsonl/.parquet file")
-    for name in ("max_length", "batch_size", "grad_accum", "epochs", "ttt_steps", "eval_steps_depth",
-                 "keep_checkpoints"):
-        if getattr(config, name) < 1:
-            raise ValueError(f"config key {name!r} must be >= 1, got {getattr(config, name)}")
-    for name, meaning in NON_NEGATIVE.items():
-        if not getattr(config, name) >= 0:  # also refuses NaN
-            raise ValueError(f"config key {name!r} must be >= 0 ({meaning}), got {getattr(config, name)}")
-    for name in ("lr", "head_decay", "ttt_decay"):
-        if not getattr(config, name) > 0:  # also refuses NaN
-            raise ValueError(f"config key {name!r} must be > 0, got {getattr(config, name)}")
-    if not 0.0 <= config.eval_fraction < 1.0:
-        raise ValueError(f"config key 'eval_fraction' must be in [0, 1), got {config.eval_fraction}")
-    if not 0.0 <= config.lora_dropout < 1.0:
-        raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got {config.lora_dropout}")
+    for name, fix in (("target", "give a local folder, a hub id (owner/name) or 'smollm2-135m-instruct'"),
+                      ("data_split", "name the hub dataset's split, e.g. train")):
+        if not getattr(config, name):
+            raise ValueError(f"config key {name!r} is empty: {fix}")
+    if config.features == "offline" and not config.feature_cache_dir:
+        raise ValueError("config key 'feature_cache_dir' is empty with features: offline; give the folder for the "
+                         "feature cache")
+    if config.features == "offline" and Path(config.feature_cache_dir).is_file():
+        raise ValueError(f"config key 'feature_cache_dir' {config.feature_cache_dir!r} is a file; give a folder for "
+                         "the feature cache")
+    check_ranges(config)
     if config.lora_r > 0 and config.lora_alpha <= 0:
         raise ValueError(f"config key 'lora_alpha' must be > 0 with lora_r > 0, got {config.lora_alpha}")
     if not config.output_dir:
@@ -230,13 +239,63 @@ def validate(config: TrainConfig) -> None:
             raise ValueError(f"config key 'push_to_hub' must be a Hub repo id (owner/name): {err}") from None
     if config.resume and config.overwrite:
         raise ValueError("resume=true and overwrite=true contradict each other: resume continues the run in "
-                         "output_dir, overwrite deletes it; set only one")
+                         "output_dir, overwrite replaces it; set only one")
     if config.lora_r > 0 and not heads.REGISTRY[config.drafter].trains_target_lora:
         able = " | ".join(k.name for k in heads.REGISTRY.values() if k.trains_target_lora)
         raise ValueError(f"lora_r > 0 (LoRA on the target, trained with the drafter) is only supported with "
                          f"drafter: {able}")
     if config.lora_r > 0 and config.features == "offline":
         raise ValueError("lora_r > 0 trains the target, so its features change every step: use features: online")
+    if config.lora_r > 0 and not (config.lora_target_modules
+                                  and all(isinstance(m, str) and m for m in config.lora_target_modules)):
+        raise ValueError(f"config key 'lora_target_modules' must list the names of the target's modules that get "
+                         f"adapters (e.g. [q_proj, v_proj]), got {config.lora_target_modules!r}")
+    check_drafter_options(config.drafter, config.drafter_options)
+
+
+def check_ranges(config: TrainConfig) -> None:
+    """Every number within its range: finite, and >= 0, >= 1 or > 0 as the field means."""
+    for f in dataclasses.fields(TrainConfig):
+        value = getattr(config, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"config key {f.name!r} must be a finite number, got {value}")
+    if not 0 <= config.seed < SEEDS:
+        raise ValueError(f"config key 'seed' must be in [0, 2**32), got {config.seed}")
+    for name in ("max_length", "batch_size", "grad_accum", "epochs", "ttt_steps", "eval_steps_depth",
+                 "keep_checkpoints"):
+        if getattr(config, name) < 1:
+            raise ValueError(f"config key {name!r} must be >= 1, got {getattr(config, name)}")
+    for name in ("ttt_steps", "eval_steps_depth"):
+        if getattr(config, name) > MAX_UNROLLED_STEPS:
+            raise ValueError(f"config key {name!r} must be <= {MAX_UNROLLED_STEPS}, got {getattr(config, name)}: "
+                             "every unrolled step keeps its activations and attends to all earlier ones")
+    for name, meaning in NON_NEGATIVE.items():
+        if not getattr(config, name) >= 0:
+            raise ValueError(f"config key {name!r} must be >= 0 ({meaning}), got {getattr(config, name)}")
+    for name in ("lr", "head_decay", "ttt_decay"):
+        if not getattr(config, name) > 0:  # also refuses NaN
+            raise ValueError(f"config key {name!r} must be > 0, got {getattr(config, name)}")
+    if not 0.0 <= config.eval_fraction < 1.0:
+        raise ValueError(f"config key 'eval_fraction' must be in [0, 1), got {config.eval_fraction}")
+    if not 0.0 <= config.lora_dropout < 1.0:
+        raise ValueError(f"config key 'lora_dropout' must be in [0, 1), got {config.lora_dropout}")
+
+
+def check_drafter_options(kind: str, options: dict) -> None:
+    """drafter_options name fields of the kind's config, and a tree is a mapping; values are checked by the
+    kind's config when the drafter is built, once the target has loaded."""
+    import heads
+
+    config_cls = heads.REGISTRY[kind].config_cls
+    known = list(config_cls.__dataclass_fields__)
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        close = sorted({c for k in unknown for c in difflib.get_close_matches(k, known, n=1)})
+        hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+        raise ValueError(f"config key 'drafter_options': unknown {kind} options {unknown}{hint}")
+    if "tree" in options and not isinstance(options["tree"], dict | None):
+        raise TypeError(f"config key 'drafter_options' gives tree as {type(options['tree']).__name__} "
+                        f"{options['tree']!r}; it is a mapping of tree settings, e.g. {{top_k: 4}}")
 
 
 def to_dict(config: TrainConfig) -> dict:

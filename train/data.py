@@ -17,7 +17,9 @@ character span. Templates that rewrite earlier turns (so that prefixes are not p
 
 from __future__ import annotations
 
+import array
 import gzip
+import hashlib
 import json
 import random
 from dataclasses import dataclass, field
@@ -261,6 +263,25 @@ def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], 
     if stats.no_assistant == stats.rows:
         raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
     return out, stats
+
+
+def conversations_fingerprint(conversations: list[Conversation]) -> str:
+    """What a run trains on, before tokenizing: the count and a sha256 over every conversation's id, messages
+    and cut flag. A data file (or hub dataset) changed in place changes it; a resume compares it."""
+    h = hashlib.sha256()
+    for c in conversations:
+        h.update(json.dumps([c.id, c.messages, c.last_reply_cut], ensure_ascii=False, sort_keys=True).encode())
+        h.update(b"\0")
+    return f"{len(conversations)} conversations, sha256 {h.hexdigest()[:16]}"
+
+
+def samples_fingerprint(samples: list[Sample]) -> str:
+    """The tokenized samples' count and a sha256 over their ids and loss masks: the same conversations give
+    another one only where the tokenizer or its chat template changed."""
+    h = hashlib.sha256()
+    for s in samples:
+        h.update(array.array("q", [len(s.input_ids), *s.input_ids, *s.loss_mask]).tobytes())
+    return f"{len(samples)} samples, sha256 {h.hexdigest()[:16]}"
 
 
 def tokenize_conversations(conversations: list[Conversation], stats: DataStats, tokenizer,

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from functools import partial
 from pathlib import Path
@@ -108,6 +109,19 @@ def generate_replies(model, tokenizer, histories: list[list[dict]], max_new_toke
     return replies
 
 
+def check_generation(*, max_new_tokens: int, batch_size: int, temperature: float, top_p: float,
+                     max_samples: int = 0) -> None:
+    """Generation settings (of this module and train.synthesize_prompts), checked before the target loads."""
+    for name, value, least in (("max_new_tokens", max_new_tokens, 1), ("batch_size", batch_size, 1),
+                               ("max_samples", max_samples, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+    if not (isinstance(temperature, (int, float)) and math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not (isinstance(top_p, (int, float)) and 0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+
+
 def to_record(id_: str, messages: list[dict], fmt: str, finished: bool) -> dict:
     if fmt == "sharegpt":
         names = {"user": "human", "assistant": "gpt", "system": "system"}
@@ -129,6 +143,8 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
 
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the target's tokenizer has no chat template; set tokenizer.chat_template first")
+    check_generation(max_new_tokens=max_new_tokens, batch_size=batch_size, temperature=temperature, top_p=top_p,
+                     max_samples=max_samples)
     if out_format not in ("messages", "sharegpt"):
         raise ValueError(f"out_format must be 'messages' or 'sharegpt', got {out_format!r}")
     if samples < 1:
@@ -211,9 +227,14 @@ def main(argv=None) -> None:
                         help="python of the environment with vLLM ($SELFSPEC_VLLM_PYTHON; default .venv-vllm)")
     args = parser.parse_args(argv)
 
+    from infer.embedded import TARGET_FIX, check_local_folder
+
     from .target import load_target
     from .vllm_engine import VLLMEngine, vllm_model_path
 
+    check_local_folder(args.target, "--target", TARGET_FIX)
+    check_generation(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
+                     top_p=args.top_p, max_samples=args.max_samples)
     rows = load_rows(args.data, args.split)
     settings = dict(max_samples=args.max_samples, max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
                     temperature=args.temperature, top_p=args.top_p, out_format=args.format, seed=args.seed, samples=args.samples)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from .regenerate import read_done_ids
+from .regenerate import check_generation, read_done_ids
 
 MARKER = "SELFSPEC_USER_MESSAGE"  # stands in for the user's message while the template is rendered
 MAX_BARREN_BATCHES = 20  # batches in a row that keep nothing before giving up
@@ -69,6 +69,15 @@ def read_prompts(out: Path) -> list[str]:
     return prompts
 
 
+def check_settings(count: int, **generation) -> None:
+    """What `synthesize` is asked to do makes sense; raised before the target loads (main)."""
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"count must be an int >= 1, got {count!r}")
+    check_generation(**generation)
+    if generation["temperature"] == 0:
+        raise ValueError("temperature must be > 0: greedy decoding writes one prompt, got 0")
+
+
 @torch.no_grad()
 def synthesize(model, tokenizer, out: str | Path, *, count: int, batch_size: int = 64, max_new_tokens: int = 64,
                temperature: float = 1.0, top_p: float = 1.0, min_chars: int = 12, seed: int = 0,
@@ -76,11 +85,7 @@ def synthesize(model, tokenizer, out: str | Path, *, count: int, batch_size: int
     """Append prompts written by `model` to `out` until it holds `count`; return counts."""
     from tqdm.auto import tqdm
 
-    if count < 1 or batch_size < 1 or max_new_tokens < 1:
-        raise ValueError(f"count, batch_size and max_new_tokens must be >= 1, got {count}, {batch_size}, "
-                         f"{max_new_tokens}")
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0: greedy decoding writes one prompt, got {temperature}")
+    check_settings(count, batch_size=batch_size, max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
     before, after = query_prefix(tokenizer)
     stops = end_of_turn_ids(model, tokenizer, after)
     prefix = tokenizer(before, return_tensors="pt", add_special_tokens=False).input_ids.to(model.device)
@@ -143,8 +148,13 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    from infer.embedded import TARGET_FIX, check_local_folder
+
     from .target import load_target
 
+    check_local_folder(args.target, "--target", TARGET_FIX)
+    check_settings(args.count, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                   temperature=args.temperature, top_p=args.top_p)
     model, tokenizer = load_target(args.target, args.dtype)
     counts = synthesize(model.to(args.device), tokenizer, args.out, count=args.count, batch_size=args.batch_size,
                         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,

@@ -13,9 +13,11 @@ and checkpointing every N steps; a checkpoint holds model, optimizer, scheduler,
 history and counters, so `--resume` continues exactly where a killed run stopped.
 
 Runs are never lost or mixed: a new run in an output_dir that holds one is refused unless `--resume` or
-`--overwrite`; each checkpoint ends with a manifest (its files, their sizes, the run's settings), so a
-checkpoint torn by a kill during its save is skipped for the previous intact one, and resuming with
-settings that change the training is refused by name.
+`--overwrite`, and `--overwrite` moves the old run aside only once the new run's data and target have loaded,
+deleting it when the new run has saved a checkpoint or its drafter. Each checkpoint ends with a manifest (its
+files, their sizes, the run's settings, fingerprints of its data and target), so a checkpoint torn by a kill
+during its save is skipped for the previous intact one, and resuming with settings that change the training,
+or after the data or the target's weights changed, is refused by name.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ import heads  # noqa: E402
 from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
 from train.data import (  # noqa: E402
     collate,
+    conversations_fingerprint,
     epoch_batches,
     load_rows,
     read_conversations,
+    samples_fingerprint,
     split_samples,
     tokenize_conversations,
 )
@@ -57,7 +61,8 @@ ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 ac
                  "speculative decoding")
 RUN_FILES = ("checkpoints", "drafter", "history.jsonl", "result.json")  # what makes an output_dir used
 UNTIMED_STEPS = 3  # optimizer steps left out of the measured pace (result["seconds_per_step"])
-MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, and the run's settings
+MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, the run's settings and inputs
+PREVIOUS_RUN = "previous_run"  # overwrite=true moves the old run here until the new run has saved something
 # Settings a resumed run may change: they decide logging, evaluation and where files go, not the weights.
 RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
                      "keep_checkpoints", "halt_after_steps", "max_train_minutes", "report_to", "wandb_project", "run_name",
@@ -125,6 +130,12 @@ def add_lora(config: TrainConfig, target):
     """Medusa-2: LoRA adapters on the target, trained with the heads."""
     from peft import LoraConfig, get_peft_model
 
+    names = [name for name, _ in target.named_modules()]
+    missing = [m for m in config.lora_target_modules if not any(n == m or n.endswith("." + m) for n in names)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in target.named_modules() if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"config key 'lora_target_modules' names {missing}, which match no module of the target; "
+                         f"its linear layers are {linear}")
     lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=list(config.lora_target_modules), bias="none")
     return get_peft_model(target, lora)
@@ -225,8 +236,9 @@ def torn_reason(path: Path) -> str | None:
     return None
 
 
-def save_checkpoint(config, accelerator, step: int) -> None:
-    """accelerate's state (model, optimizer, scheduler, RNG, `Progress`), then the manifest that marks it whole."""
+def save_checkpoint(config, accelerator, step: int, fingerprints: dict) -> None:
+    """accelerate's state (model, optimizer, scheduler, RNG, `Progress`), then the manifest that marks it whole:
+    its files, the run's settings and the `fingerprints` of its inputs, which a resume checks."""
     path = Path(config.output_dir) / "checkpoints" / f"step_{step:08d}"
     if accelerator.is_main_process and path.exists():
         shutil.rmtree(path)  # torn by a kill during this same save in an earlier attempt
@@ -235,12 +247,13 @@ def save_checkpoint(config, accelerator, step: int) -> None:
     accelerator.wait_for_everyone()  # every process has written its RNG state
     if accelerator.is_main_process:
         files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
-        write_atomic(path / MANIFEST, json.dumps({"step": step, "config": to_dict(config), "files": files},
-                                                 indent=1) + "\n")
+        write_atomic(path / MANIFEST, json.dumps({"step": step, "config": to_dict(config), "files": files,
+                                                  "inputs": fingerprints}, indent=1) + "\n")
         intact = [p for p in checkpoints(config) if torn_reason(p) is None]
         for old in checkpoints(config):
             if old not in intact[-config.keep_checkpoints:]:
                 shutil.rmtree(old)
+        drop_previous_run(config)
     accelerator.wait_for_everyone()
 
 
@@ -259,7 +272,10 @@ def resume_checkpoint(config: TrainConfig) -> Path:
     folder = Path(config.output_dir) / "checkpoints"
     found = checkpoints(config)
     if not found:
-        raise ValueError(f"resume=true but no checkpoint in {folder}; start the run without resume")
+        aside = Path(config.output_dir) / PREVIOUS_RUN
+        hint = f" ({aside} holds the run that overwrite=true replaced: move its files back to resume it)" \
+            if aside.exists() else ""
+        raise ValueError(f"resume=true but no checkpoint in {folder}; start the run without resume{hint}")
     torn = []
     for path in reversed(found):
         reason = torn_reason(path)
@@ -294,31 +310,65 @@ def prepare_output_dir(config: TrainConfig, accelerator) -> Path | None:
     """Check output_dir before anything expensive; returns the checkpoint to resume from, if resuming.
 
     A new run never lands on another run's files (a later --resume would pick up the old checkpoints, and
-    the old history would be overwritten) unless overwrite=true, which deletes them first.
+    the old history would be overwritten) unless overwrite=true, which moves them aside once every input of
+    the new run has loaded (`set_aside_old_run`).
     """
     out = Path(config.output_dir)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output_dir {str(out)!r} is a file, not a folder; choose another output_dir")
     resume_from = resume_checkpoint(config) if config.resume else None
-    used = [name for name in RUN_FILES if (out / name).exists()]
-    if used and not config.resume:
-        if not config.overwrite:
-            raise ValueError(f"output_dir {str(out)!r} already holds a run ({', '.join(used)}): continue it with "
-                             "resume=true (--resume), replace it with overwrite=true (--overwrite), or choose "
-                             "another output_dir")
-        if accelerator.is_main_process:
-            print(f"[output] overwrite=true: deleting {', '.join(used)} in {out}", flush=True)
-            for name in used:
-                if (out / name).is_dir():
-                    shutil.rmtree(out / name)
-                else:
-                    (out / name).unlink()
+    used = [name for name in (*RUN_FILES, PREVIOUS_RUN) if (out / name).exists()]
+    if used and not (config.resume or config.overwrite):
+        raise ValueError(f"output_dir {str(out)!r} already holds a run ({', '.join(used)}): continue it with "
+                         "resume=true (--resume), replace it with overwrite=true (--overwrite), or choose "
+                         "another output_dir")
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ValueError(f"output_dir {str(out)!r} cannot be created ({err}); choose another output_dir") from None
     accelerator.wait_for_everyone()
     return resume_from
+
+
+def set_aside_old_run(config: TrainConfig, accelerator) -> None:
+    """overwrite=true: move the old run's files into <output_dir>/previous_run, called once the new run's data,
+    target and drafter have loaded and been checked. They are deleted when the new run saves a checkpoint or
+    its drafter (`drop_previous_run`), so a new run that fails before then leaves the old one to move back."""
+    out = Path(config.output_dir)
+    used = [name for name in RUN_FILES if (out / name).exists()]
+    if config.overwrite and used and accelerator.is_main_process:
+        aside = out / PREVIOUS_RUN
+        if aside.exists() and not holds_saved_work(config):
+            # An earlier overwrite stopped before saving anything: the run worth keeping is the one aside.
+            print(f"[output] overwrite=true: deleting {', '.join(used)} in {out}, left by a run that saved "
+                  f"nothing; the run before it stays in {aside}", flush=True)
+            for name in used:
+                if (out / name).is_dir():
+                    shutil.rmtree(out / name)
+                else:
+                    (out / name).unlink()
+        else:
+            shutil.rmtree(aside, ignore_errors=True)
+            aside.mkdir()
+            for name in used:
+                os.replace(out / name, aside / name)
+            print(f"[output] overwrite=true: moved {', '.join(used)} to {aside}; deleted once this run saves a "
+                  "checkpoint or its drafter", flush=True)
+    accelerator.wait_for_everyone()
+
+
+def holds_saved_work(config: TrainConfig) -> bool:
+    """Whether output_dir holds an intact checkpoint or a saved drafter (not just a history)."""
+    drafter = Path(config.output_dir) / "drafter" / "config.json"
+    return drafter.is_file() or any(torn_reason(p) is None for p in checkpoints(config))
+
+
+def drop_previous_run(config: TrainConfig) -> None:
+    """The new run has saved something to resume or use: the run it replaces (overwrite=true) goes."""
+    aside = Path(config.output_dir) / PREVIOUS_RUN
+    if aside.exists():
+        shutil.rmtree(aside)
+        print(f"[output] deleted the replaced run in {aside}", flush=True)
 
 
 def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict) -> Path:
@@ -363,15 +413,26 @@ class Inputs:
     eval_features: object
     feature_seconds: float
     total_steps: int  # optimizer steps the run makes
+    fingerprints: dict  # of the data, the target's weights and the tokenized samples; checkpoints record them
 
 
-def prepare_inputs(config: TrainConfig, accelerator) -> Inputs:
+def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = None) -> Inputs:
     # Data, then target and drafter: every check that can fail does so before the target loads (data) or
-    # before features are computed (everything else).
+    # before features are computed (everything else). Resuming, each input must be the checkpoint's.
+    recorded = recorded_inputs(checkpoint)
     conversations, data_stats = read_conversations(load_rows(config.data, config.data_split), config.max_samples)
+    fingerprints = {"data": conversations_fingerprint(conversations)}
+    check_unchanged(recorded, fingerprints, config, checkpoint)
+    if config.drafter_init:
+        heads.check_source(config.drafter_init)
     target, tokenizer = load_target(config.target, config.target_dtype)
+    fingerprints["target"] = target_fingerprint(target)
+    check_unchanged(recorded, fingerprints, config, checkpoint)
     target.to(accelerator.device)
     samples, data_stats = tokenize_conversations(conversations, data_stats, tokenizer, config.max_length)
+    check_context(config, target, samples)
+    fingerprints["samples"] = samples_fingerprint(samples)
+    check_unchanged(recorded, fingerprints, config, checkpoint)
     train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
     data_stats.train, data_stats.eval = len(train_set), len(eval_set)
     total_steps = total_optimizer_steps(config, accelerator, [len(s.input_ids) for s in train_set])
@@ -385,7 +446,52 @@ def prepare_inputs(config: TrainConfig, accelerator) -> Inputs:
     eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
         if eval_set else None
     return Inputs(target, tokenizer, train_set, eval_set, data_stats, pad_id, drafter, lora_target,
-                  train_features, eval_features, time.perf_counter() - tic, total_steps)
+                  train_features, eval_features, time.perf_counter() - tic, total_steps, fingerprints)
+
+
+def check_context(config: TrainConfig, target, samples) -> None:
+    """A sample longer than the target's context would train on positions the target never saw (and index
+    past a learned position table): refuse it, naming max_length."""
+    context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    longest = max(len(s.input_ids) for s in samples)
+    if context and longest > context:
+        raise ValueError(f"samples of up to {longest} tokens (max_length={config.max_length}) are longer than the "
+                         f"target's context of {context} tokens (max_position_embeddings); set max_length <= "
+                         f"{context}")
+
+
+# What differs when a fingerprint of `prepare_inputs` does, and what to restore.
+INPUT_CHANGES = {
+    "data": ("the data {data!r} changed", "the data the run started with"),
+    "target": ("the target {target!r} has other weights or config", "the target's weights the run started with"),
+    "samples": ("the same conversations tokenize differently: the target {target!r}'s tokenizer or chat template "
+                "changed", "the target's tokenizer files the run started with"),
+}
+
+
+def recorded_inputs(checkpoint: Path | None) -> dict | None:
+    """The fingerprints in a checkpoint's manifest; None when not resuming, or (warned) for a checkpoint saved
+    before manifests held them."""
+    if checkpoint is None:
+        return None
+    recorded = json.loads((checkpoint / MANIFEST).read_text()).get("inputs")
+    if recorded is None:
+        warnings.warn(f"resuming {checkpoint}, saved without fingerprints of its data and target: whether they "
+                      "changed since cannot be checked; make sure they are the run's", stacklevel=3)
+    return recorded
+
+
+def check_unchanged(recorded: dict | None, fingerprints: dict, config: TrainConfig, checkpoint: Path | None) -> None:
+    """Refuse a resume whose data, target weights or tokenization differ from its checkpoint's: the weights,
+    optimizer and data position saved there belong to the old inputs."""
+    for name, now in fingerprints.items():
+        then = (recorded or {}).get(name)
+        if then is None or then == now:
+            continue
+        what, restore = INPUT_CHANGES[name]
+        raise ValueError(f"resume=true, but {what.format(data=config.data, target=config.target)} since {checkpoint} "
+                         f"was saved ({name}: {then} -> {now}). Restore {restore}, or start a new run (another "
+                         "output_dir, or overwrite=true).")
 
 
 def total_optimizer_steps(config: TrainConfig, accelerator, lengths: list[int]) -> int:
@@ -435,6 +541,7 @@ def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) 
         out.mkdir(parents=True, exist_ok=True)
         (out / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "history"},
                                                     indent=2) + "\n")
+        drop_previous_run(config)
 
 
 def train(config: TrainConfig) -> dict:
@@ -450,7 +557,7 @@ def train(config: TrainConfig) -> dict:
     set_seed(config.seed)
 
     # 1. data, target, drafter and features (online, or an offline cache built once).
-    inputs = prepare_inputs(config, accelerator)
+    inputs = prepare_inputs(config, accelerator, checkpoint)
     train_set, pad_id, total_steps = inputs.train_set, inputs.pad_id, inputs.total_steps
 
     # 2. objective, optimizer, schedule; resume if asked.
@@ -465,6 +572,7 @@ def train(config: TrainConfig) -> dict:
     progress = Progress()
     accelerator.register_for_checkpointing(progress)
     resume(accelerator, checkpoint, progress)
+    set_aside_old_run(config, accelerator)  # overwrite=true: every input has loaded, so the old run may go
     if config.report_to == "wandb":
         accelerator.init_trackers(config.wandb_project, config=to_dict(config), init_kwargs={"wandb": {
             "name": config.run_name or f"{config.drafter}-{Path(config.target).name}", "dir": config.output_dir}})
@@ -514,7 +622,7 @@ def train(config: TrainConfig) -> dict:
                 if main:
                     bar.write(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
             if config.save_every and progress.step % config.save_every == 0:
-                save_checkpoint(config, accelerator, progress.step)
+                save_checkpoint(config, accelerator, progress.step, inputs.fingerprints)
             if config.halt_after_steps and progress.step >= config.halt_after_steps:
                 result["halted"] = True  # as if killed: no final evaluation, no drafter folder
                 break
@@ -558,7 +666,7 @@ def parse_args(argv=None) -> TrainConfig:
     parser.add_argument("--config", help="YAML file of overrides to the defaults in train/config.py")
     parser.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     parser.add_argument("--overwrite", action="store_true",
-                        help="start a new run in a used output_dir, deleting the old run's checkpoints and drafter")
+                        help="start a new run in a used output_dir, replacing the old run's checkpoints and drafter")
     parser.add_argument("--push_to_hub", metavar="REPO_ID", help="push the trained drafter to this repo")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="overrides, type-checked")
     args = parser.parse_args(argv)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-from ..base import DrafterConfig, text_config
+from ..base import MAX_DRAFT_DEPTH, DrafterConfig, text_config
 
 # Drafting settings. One block pass gives a distribution per block position; `top_k` = 1 drafts the
 # argmax (or, when sampling, a sample) of each position as a chain, as DFlash does. `top_k` > 1 grows a
@@ -79,6 +79,9 @@ class DFlashConfig(DrafterConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise ValueError(f"DFlash {name} must be an int >= {least}, got {value!r}")
+        if self.block_size - 1 > MAX_DRAFT_DEPTH:
+            raise ValueError(f"DFlash block_size must be <= {MAX_DRAFT_DEPTH + 1} (a root and at most "
+                             f"heads.base.MAX_DRAFT_DEPTH drafted tokens), got {self.block_size}")
         if not isinstance(self.loss_decay, (int, float)) or not self.loss_decay > 0:
             raise ValueError(f"DFlash loss_decay must be a number > 0, got {self.loss_decay!r}")
         super().__post_init__(**kwargs)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..base import DrafterConfig
+from ..base import MAX_DRAFT_DEPTH, DrafterConfig
 from ..trees import medusa_default_paths
 
 
@@ -22,6 +22,9 @@ class MedusaConfig(DrafterConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Medusa {name} must be an int >= 1, got {value!r}")
+        if self.num_heads > MAX_DRAFT_DEPTH:
+            raise ValueError(f"Medusa num_heads must be <= {MAX_DRAFT_DEPTH} (heads.base.MAX_DRAFT_DEPTH), got "
+                             f"{self.num_heads}")
         super().__post_init__(**kwargs)
 
     def resolve_tree(self, tree: dict | None) -> dict:
