@@ -35,6 +35,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
 import warnings
 import weakref
 from pathlib import Path
@@ -89,8 +90,10 @@ class PackCache:
         return cached[2]
 
 
-def _forward(layer: nn.Linear, plain_forward, cache: PackCache, stream_rows: int):
-    kernel = streamed_kernel() if stream_rows > 1 and layer.weight.is_contiguous() else None
+def _forward(layer: nn.Linear, plain_forward):
+    """The layer's forward while any block patches it: the packed or streamed path where the calling thread is in
+    a block that covers the layer, else the layer's own (another thread, sharing the model, asked for nothing)."""
+    key = id(layer)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
         # x: [..., in_features]; one row (decode), autograd or torch.compile tracing -> the plain path
@@ -98,6 +101,10 @@ def _forward(layer: nn.Linear, plain_forward, cache: PackCache, stream_rows: int
         if (rows <= 1 or torch.is_grad_enabled() or torch.compiler.is_compiling()
                 or x.dtype != torch.float32 or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
             return plain_forward(x)
+        setting = getattr(_this_thread, "layers", {}).get(key)
+        if setting is None:
+            return plain_forward(x)
+        cache, stream_rows, kernel = setting
         if kernel is not None and rows <= stream_rows:
             y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -110,24 +117,50 @@ def _plain(weight: torch.Tensor) -> bool:
     return type(weight) in (nn.Parameter, torch.Tensor) and type(weight.data) is torch.Tensor
 
 
+# Models are shared between threads (two SelfSpecModels over one target): a layer's forward is patched while any
+# block holds it and restored when the last one leaves, and each thread's blocks say what its own calls run on.
+_patch_lock = threading.Lock()
+_patched: dict[int, list] = {}  # id(layer) -> [the patched forward, blocks holding it (any thread)]
+_this_thread = threading.local()  # .layers: id(layer) -> (cache, stream_rows, kernel) of this thread's blocks
+
+
 @contextlib.contextmanager
 def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None, enabled: bool = True,
                       stream_rows: int = 0):
     """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights
     from `cache` (a fresh one, dropped at exit, if None); blocks of 2..`stream_rows` rows run on the
-    streamed kernel instead, where it could be built."""
+    streamed kernel instead, where it could be built. Only the calling thread's forwards: another thread using
+    the same layers meanwhile runs them as they are, or as its own block says."""
     cache = PackCache() if cache is None else cache
-    found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
-             if type(m) is nn.Linear and "forward" not in m.__dict__  # a shared lm_head counts once
-             and _plain(m.weight)}
-    layers = list(found.values())
-    for layer in layers:
-        layer.forward = _forward(layer, layer.forward, cache, stream_rows)
+    with _patch_lock:
+        found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
+                 if type(m) is nn.Linear and _plain(m.weight) and _patchable(m)}  # a shared lm_head counts once
+        layers = list(found.values())
+        for layer in layers:
+            if id(layer) not in _patched:
+                _patched[id(layer)] = [_forward(layer, layer.forward), 0]
+                layer.forward = _patched[id(layer)][0]
+            _patched[id(layer)][1] += 1
+    outer = getattr(_this_thread, "layers", {})
+    _this_thread.layers = {**outer, **{id(layer): (cache, stream_rows, streamed_kernel() if stream_rows > 1
+                                                   and layer.weight.is_contiguous() else None) for layer in layers}}
     try:
         yield
     finally:
-        for layer in layers:
-            del layer.forward
+        _this_thread.layers = outer
+        with _patch_lock:
+            for layer in layers:
+                entry = _patched[id(layer)]
+                entry[1] -= 1
+                if entry[1] == 0:
+                    del _patched[id(layer)]
+                    del layer.forward
+
+
+def _patchable(layer: nn.Linear) -> bool:
+    """The layer runs its class's forward, or the patch of a block under way (not a forward of someone else's)."""
+    own = layer.__dict__.get("forward")
+    return own is None or (id(layer) in _patched and own is _patched[id(layer)][0])
 
 
 # ------------------------------------------------------------------------------------ the streamed kernel

@@ -17,9 +17,11 @@ sampling over the tree, so outputs follow the target's distribution.
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import inspect
 import operator
+import os
 import threading
 import time
 import warnings
@@ -99,16 +101,17 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool | None = None
 def _check_maskable(target) -> None:
     """A target whose attention cannot take a 4D tree mask runs with sdpa during generate (and gets its own
     implementation back afterwards); refuse one that cannot switch."""
-    impl = target.config._attn_implementation
-    if impl in MASKABLE_ATTENTION:
-        return
-    try:
-        target.set_attn_implementation("sdpa")
-    except (ValueError, ImportError) as err:
-        raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch to "
-                         "sdpa; load it with attn_implementation='eager'") from err
-    finally:
-        _set_attention(target, impl)
+    with _modes_lock:  # a call under way on the target holds a maskable attention: nothing is switched then
+        impl = target.config._attn_implementation
+        if impl in MASKABLE_ATTENTION:
+            return
+        try:
+            target.set_attn_implementation("sdpa")
+        except (ValueError, ImportError) as err:
+            raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch "
+                             "to sdpa; load it with attn_implementation='eager'") from err
+        finally:
+            _set_attention(target, impl)
     warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; the target runs with "
                   "'sdpa' during generate and gets its own back afterwards", stacklevel=3)
 
@@ -152,12 +155,35 @@ def _cyclic_gc_paused():
                 gc.enable()
 
 
+# A target shared by several SelfSpecModels (one per thread) is set up for generation by the first call in and
+# restored by the last one out: a call restoring it while another runs would pull the ground from under it.
+_modes_lock = threading.Lock()
+_modes: dict[int, list] = {}  # id(target) -> [calls under way, the target's state before the first]
+
+
 @contextlib.contextmanager
 def _generation_mode(target):
     """Eval mode and a maskable attention for the call (on CPU, sdpa as `infer.gqa_attention` runs it for
     grouped K/V heads). Afterwards the target is as it was: the user's train/eval flags and attention, and
     no attribute or hook left on its modules (transformers installs hidden-state capture hooks on first use,
-    which would make the model unpicklable)."""
+    which would make the model unpicklable). Calls on one target from several threads share the set-up."""
+    with _modes_lock:
+        entry = _modes.get(id(target))
+        if entry is None:
+            entry = _modes[id(target)] = [0, _set_up(target)]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _modes_lock:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _modes[id(target)]
+                _restore(target, *entry[1])
+
+
+def _set_up(target) -> tuple[dict, str, bool]:
+    """Put the target in generation mode; returns what `_restore` needs to undo it."""
     before = {name: (m.training, set(m.__dict__), {d: set(getattr(m, d, {})) for d in _HOOK_DICTS})
               for name, m in target.named_modules()}
     impl = target.config._attn_implementation
@@ -168,21 +194,22 @@ def _generation_mode(target):
     if switch:
         target.set_attn_implementation(during)
     target.eval()
-    try:
-        yield
-    finally:
-        if switch:
-            _set_attention(target, impl)
-        for name, m in target.named_modules():
-            if name not in before:
-                continue
-            training, keys, hooks = before[name]
-            m.training = training
-            for d, ids in hooks.items():
-                for hook_id in set(getattr(m, d, {})) - ids:
-                    getattr(m, d).pop(hook_id, None)
-            for key in set(m.__dict__) - keys:
-                del m.__dict__[key]
+    return before, impl, switch
+
+
+def _restore(target, before: dict, impl: str, switch: bool) -> None:
+    if switch:
+        _set_attention(target, impl)
+    for name, m in target.named_modules():
+        if name not in before:
+            continue
+        training, keys, hooks = before[name]
+        m.training = training
+        for d, ids in hooks.items():
+            for hook_id in set(getattr(m, d, {})) - ids:
+                getattr(m, d).pop(hook_id, None)
+        for key in set(m.__dict__) - keys:
+            del m.__dict__[key]
 
 
 @dataclass
@@ -228,7 +255,12 @@ class SelfSpecModel:
                  static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
                  lean_verify: bool | None = None, int8_argmax: bool = True, int8_drafter: bool = True,
                  draft_batches: bool | None = None):
-        """`lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
+        """Every option is checked here, before any work: a flag must be a bool (the string "false" is refused).
+
+        `typical_acceptance`: when sampling, accept drafts by Medusa's typical acceptance
+        (`infer.verify.accept_typical`: faster, not lossless); greedy decoding stays greedy.
+
+        `lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
         itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
         `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
 
@@ -249,11 +281,12 @@ class SelfSpecModel:
         None (the default) costs nothing.
 
         `static_cache`: the target's KV cache is preallocated for the whole generation and committed in
-        place (True: room for prompt + max_new_tokens, rounded up to 256 slots and kept for later calls of
-        the same batch size while they fit; an int: that many tokens of prompt plus output, and a longer
-        request is refused before any work), with `VERIFY_ROOM` more slots for the block being verified;
-        verify blocks are padded to `VERIFY_BUCKETS` node counts, so the verify forward has a few fixed
-        shapes. The cache stays allocated between calls (`free_cache()` drops it).
+        place (True: room for prompt + max_new_tokens, rounded up to 256 slots but never past the target's
+        context, and kept for later calls of the same batch size while they fit; an int, at most the context:
+        that many tokens of prompt plus output, and a longer request is refused before any work), with
+        `VERIFY_ROOM` more slots for the block being verified; verify blocks are padded to `VERIFY_BUCKETS` node
+        counts, so the verify forward has a few fixed shapes. The cache stays allocated between calls
+        (`free_cache()` drops it).
 
         `compile`: run the drafter's own one-token forwards through `torch.compile` where it has any (the
         draft-model and self-drafters: `bf16`, `int8`, `int4`, `early_exit`, ...), and with `static_cache`
@@ -295,22 +328,24 @@ class SelfSpecModel:
         rows never drafts. One-row calls always draft."""
         if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
             raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
-        if not isinstance(static_cache, (bool, int)) or (type(static_cache) is int and static_cache < 1):
-            raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static_cache!r}")
+        _check_options(typical_acceptance=typical_acceptance, tokenizer=tokenizer, cpu_prepack=cpu_prepack,
+                       lookup_first=lookup_first, compile=compile, static_cache=static_cache, tree=tree,
+                       step_observer=step_observer, lean_verify=lean_verify, int8_argmax=int8_argmax,
+                       int8_drafter=int8_drafter, draft_batches=draft_batches)
+        max_len = _max_positions(target.config)
+        if static_cache is not True and max_len and static_cache > max_len:
+            raise ValueError(f"static_cache={static_cache} tokens is more than the target's context of {max_len} "
+                             f"positions can use: pass at most {max_len}, or True (sized per call)")
         _check_maskable(target)
         self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
         self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
         if self.cpu_prepack and not cpu_linear.available():
             raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
-        if tree is not None and not isinstance(tree, dict) and tree != "calibrated":
-            raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {tree!r}")
         if tree == "calibrated" and hasattr(drafter, "as_drafter"):  # as_drafter refuses any other drafter
             from .calibrate import calibrated_tree
 
             tree = calibrated_tree(drafter, target, tokenizer, prepack=self.cpu_prepack)
         self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first, tree)
-        if draft_batches is not None and not isinstance(draft_batches, bool):
-            raise ValueError(f"draft_batches must be True, False or None, got {draft_batches!r}")
         self.draft_batches = draft_batches
         # a trained drafter with acceptance statistics and the tree it drafts: what predict_batch needs
         calibration = getattr(getattr(drafter, "config", None), "calibration", None)
@@ -342,8 +377,6 @@ class SelfSpecModel:
             self._stream_rows = stream_rows(self.target)
         # the verify forward without transformers' module machinery, where it can run
         self._lean_verify = False
-        if lean_verify is not None and not isinstance(lean_verify, bool):
-            raise ValueError(f"lean_verify must be True, False or None, got {lean_verify!r}")
         if lean_verify is not False:
             problem = lean_forward.why_not(self.target) if self.cpu_prepack else "cpu_prepack is off"
             if problem is None and self._verify_forward is not None:
@@ -354,9 +387,6 @@ class SelfSpecModel:
                 raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
                                  "to use it where it can, or False")
         self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
-        for name, value in (("int8_argmax", int8_argmax), ("int8_drafter", int8_drafter)):
-            if not isinstance(value, bool):
-                raise ValueError(f"{name} must be True or False, got {value!r}")
         self.int8_argmax = int8_argmax
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
             own.lean_forwards(self._stream_rows if lean_verify is not False and self.cpu_prepack else None,
@@ -387,6 +417,13 @@ class SelfSpecModel:
         import heads
 
         options = {k: kwargs.pop(k) for k in list(kwargs) if k in _engine_options()}
+        _check_options(tree=tree, tokenizer=tokenizer, **options)  # before the drafter, and maybe the target, is loaded
+        if not isinstance(drafter_path_or_hub_id, (str, os.PathLike)):
+            raise TypeError(f"drafter_path_or_hub_id must be a folder or a hub id, got "
+                            f"{type(drafter_path_or_hub_id).__name__}")
+        if target is not None and not isinstance(target, PreTrainedModel):
+            raise TypeError(f"target must be a transformers causal LM (or None: the one the drafter records), got "
+                            f"{type(target).__name__}")
         if target is not None and kwargs:
             raise TypeError(f"{', '.join(sorted(kwargs))}: neither a SelfSpecModel option nor usable with target= "
                             "given (keywords other than SelfSpecModel's load the recorded target); load your "
@@ -415,33 +452,37 @@ class SelfSpecModel:
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer=None,
                  generation_config: GenerationConfig | None = None,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, **settings) -> torch.Tensor:
         """Like `target.generate`: returns [B, prompt + new] with rows that stop early padded.
 
-        Sampling settings default to greedy, temperature 1, top_k 0 (off), top_p 1 (off); values in
-        `generation_config` apply where an argument is not given. eos/pad default to the target's
-        generation config, as in transformers.
+        A setting not given as an argument comes, as in transformers' `generate`, from the keywords (any
+        `GenerationConfig` field, e.g. `min_new_tokens=4`), then `generation_config`, then the target's own
+        generation config, then transformers' defaults (`TRANSFORMERS_DEFAULTS`: greedy; when sampling,
+        temperature 1, top_k 50, top_p 1). So a target whose generation config samples is sampled with its
+        settings. Settings whose output could differ from `target.generate`'s, and requests for more than the
+        token ids (`output_scores`, `return_dict_in_generate`, ...) or for `max_time`, are refused by name.
         """
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
         if streamer is not None and not (callable(getattr(streamer, "put", None))
                                          and callable(getattr(streamer, "end", None))):
             raise TypeError("streamer must have put() and end() methods, like transformers' TextStreamer")
+        call = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
+                              _with_keywords(generation_config, settings))
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("this SelfSpecModel is already generating in another thread; its drafter keeps "
                                "per-call state, so give each thread its own SelfSpecModel (they can share the "
                                "target)")
         try:
             # before the call's own set-up: the first call of a batch size times its steps, as calibration does
-            rows = input_ids.shape[0] if isinstance(input_ids, torch.Tensor) and input_ids.dim() == 2 else 1
-            self._active, batch_drafting = self._drafter_for(rows)
+            self._active, batch_drafting = self._drafter_for(input_ids.shape[0])
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
             with _generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
-                out = self._generate(input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k,
-                                     top_p, eos_token_id, pad_token_id, streamer, generation_config, generator)
+                out = self._generate(input_ids, attention_mask, call, streamer, generator)
             self.last_stats["batch_drafting"] = batch_drafting
             return out
         finally:
@@ -473,17 +514,14 @@ class SelfSpecModel:
             return self.drafter, None
         return (self.drafter if choice["drafts"] else NoDrafter()), dict(choice)
 
-    def _generate(self, input_ids, attention_mask, max_new_tokens, do_sample, temperature, top_k, top_p,
-                  eos_token_id, pad_token_id, streamer, generation_config, generator) -> torch.Tensor:
-        settings = self._settings(max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id,
-                                  pad_token_id, generation_config)
-        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, streamer)
-        kv = self._new_cache(input_ids, settings.max_new_tokens)
+    def _generate(self, input_ids, attention_mask, settings: _Settings, streamer, generator) -> torch.Tensor:
+        """The loop, on checked inputs and settings."""
+        rows = self._start_rows(attention_mask, settings.max_new_tokens)
+        kv = self._new_cache(input_ids, max(rows.limit))  # what the context lets the rows emit, not what was asked
         self._lean = self._lean_forward(settings)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
                  "target_seconds": 0.0, "verify_forward": "lean" if self._lean is not None else "transformers",
                  "int8_argmax": self._lean is not None and self._lean.argmax_head is not None}
-        rows = self._start_rows(attention_mask, settings.max_new_tokens)
         if streamer is not None:
             streamer.put(input_ids.cpu())
 
@@ -625,7 +663,11 @@ class SelfSpecModel:
                              f"needs {tokens} slots; the static cache holds {self.static_cache}: raise "
                              "static_cache, shorten the request, or pass static_cache=True (sized per call)")
         if self.static_cache is True:  # sized per call, in steps of 256 slots, never shrinking: few shapes
-            capacity = max(-(-(tokens + VERIFY_ROOM) // 256) * 256, self._cache.capacity if self._cache else 0)
+            capacity = -(-(tokens + VERIFY_ROOM) // 256) * 256
+            max_len = _max_positions(self.target.config)
+            if max_len:  # a step of 256 never past the context: nothing could use the slots
+                capacity = min(capacity, max(tokens, max_len) + VERIFY_ROOM)
+            capacity = max(capacity, self._cache.capacity if self._cache else 0)
         else:
             capacity = self.static_cache + VERIFY_ROOM
         kv = self._cache
@@ -686,46 +728,51 @@ class SelfSpecModel:
     # ---------------------------------------------------------------- input checks
     def _settings(self, max_new_tokens, do_sample, temperature, top_k, top_p, eos_token_id, pad_token_id,
                   generation_config) -> _Settings:
-        if generation_config is not None and not isinstance(generation_config, GenerationConfig):
-            raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
         gc = generation_config
         base = self.target.generation_config
         if gc is not None:
-            _refuse_unsupported(gc, "generation_config")
+            _refuse_unsupported(gc, "the call (generation_config or keywords)")
         _refuse_unsupported(base, "the target's own generation_config", warn_only=True)
 
-        def pick(value, name, default):
-            if value is not None:
-                return value
-            got = getattr(gc, name, None) if gc is not None else None
-            return default if got is None else got
+        def pick(value, name):
+            """A setting as transformers' generate resolves it: the argument, the call's generation_config (and
+            keywords), the target's own, transformers' default."""
+            for got in (value, getattr(gc, name, None), getattr(base, name, None)):
+                if got is not None:
+                    return got
+            return TRANSFORMERS_DEFAULTS.get(name)
 
-        sample = pick(do_sample, "do_sample", False)
+        sample = pick(do_sample, "do_sample")
         if not isinstance(sample, (bool, np.bool_)):
             raise TypeError(f"do_sample must be True or False, got {sample!r}")
-        sampling = SamplingParams(do_sample=bool(sample), temperature=float(pick(temperature, "temperature", 1.0)),
-                                  top_k=_int_like(pick(top_k, "top_k", 0), "top_k"),
-                                  top_p=float(pick(top_p, "top_p", 1.0)))
-        max_new = pick(max_new_tokens, "max_new_tokens", None)
+        sampling = SamplingParams(do_sample=bool(sample), temperature=_real(pick(temperature, "temperature"),
+                                                                            "temperature"),
+                                  top_k=_int_like(pick(top_k, "top_k"), "top_k"),
+                                  top_p=_real(pick(top_p, "top_p"), "top_p"))
+        max_new = pick(max_new_tokens, "max_new_tokens")
         if max_new is None:
             raise ValueError("pass max_new_tokens (or a generation_config that sets it)")
         max_new = _int_like(max_new, "max_new_tokens")
         if max_new <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new}")
         vocab = self.target.config.get_text_config().vocab_size
-        eos = _token_ids(pick(eos_token_id, "eos_token_id", base.eos_token_id), "eos_token_id", vocab)
-        pad = pick(pad_token_id, "pad_token_id", base.pad_token_id)
+        eos = _token_ids(pick(eos_token_id, "eos_token_id"), "eos_token_id", vocab)
+        pad = pick(pad_token_id, "pad_token_id")
         pad = (eos[0] if eos else 0) if pad is None else _token_ids(pad, "pad_token_id", vocab, single=True)[0]
-        gen = gc if gc is not None else base
-        min_new = _int_like(getattr(gen, "min_new_tokens", None) or 0, "min_new_tokens")
-        suppress = _token_ids(getattr(gen, "suppress_tokens", None), "suppress_tokens", vocab)
-        bad = getattr(gen, "bad_words_ids", None) or []
+        min_new = _int_like(pick(None, "min_new_tokens") or 0, "min_new_tokens")
+        if min_new < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {min_new}")
+        suppress = _token_ids(pick(None, "suppress_tokens"), "suppress_tokens", vocab)
+        bad = pick(None, "bad_words_ids") or []
+        if not isinstance(bad, (list, tuple)) or not all(isinstance(words, (list, tuple)) for words in bad):
+            raise TypeError(f"bad_words_ids must be a list of token-id lists, e.g. [[5], [9]], got {bad!r}")
         if any(len(words) != 1 for words in bad):
             raise ValueError("bad_words_ids with sequences of more than one token are not supported by "
                              "speculative decoding here; ban single tokens, or use target.generate")
-        suppress += [int(words[0]) for words in bad]
-        begin = _token_ids(getattr(gen, "begin_suppress_tokens", None), "begin_suppress_tokens", vocab)
-        return _Settings(sampling, max_new, set(eos), int(pad), self.typical_acceptance, min_new, suppress, begin)
+        suppress += _token_ids([words[0] for words in bad], "bad_words_ids", vocab)
+        begin = _token_ids(pick(None, "begin_suppress_tokens"), "begin_suppress_tokens", vocab)
+        typical = self.typical_acceptance and sampling.do_sample  # greedy decoding stays greedy
+        return _Settings(sampling, max_new, set(eos), int(pad), typical, min_new, suppress, begin)
 
     def _constrain(self, logits: torch.Tensor, new_so_far: torch.Tensor, settings: _Settings) -> torch.Tensor:
         """Apply the generation config's token bans in place, as transformers' logits processors would.
@@ -753,10 +800,17 @@ class SelfSpecModel:
                              f"{tuple(input_ids.shape)}")
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor):
+            raise TypeError(f"attention_mask must be a tensor of 0s and 1s shaped like input_ids, got "
+                            f"{type(attention_mask).__name__}")
+        if attention_mask.dim() == 1 and input_ids.shape[0] == 1:
+            attention_mask = attention_mask[None]  # as input_ids of one prompt may be
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
         attention_mask = attention_mask.to(input_ids.device).long()
+        if ((attention_mask != 0) & (attention_mask != 1)).any():
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
         lengths = attention_mask.sum(1)
         if (lengths == 0).any():
             raise ValueError("a prompt in the batch is empty (attention_mask all zero)")
@@ -806,6 +860,31 @@ def _pad_block(tokens, offsets, attend, valid, size: int):
     return padded[0], padded[1], block, padded[2]
 
 
+def _check_options(**options) -> None:
+    """`SelfSpecModel`'s options, checked before any work (loading, calibrating, compiling); each error names the
+    option. The string "false" is not False: a flag is a bool."""
+    for name in ("typical_acceptance", "compile", "int8_argmax", "int8_drafter"):
+        if name in options and not isinstance(options[name], bool):
+            raise ValueError(f"{name} must be True or False, got {options[name]!r}")
+    for name in ("cpu_prepack", "lookup_first", "lean_verify", "draft_batches"):
+        if options.get(name) is not None and not isinstance(options[name], bool):
+            raise ValueError(f"{name} must be True, False or None, got {options[name]!r}")
+    static = options.get("static_cache", False)
+    if not isinstance(static, (bool, int)) or (type(static) is int and static < 1):
+        raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static!r}")
+    tree = options.get("tree")
+    if tree is not None and not isinstance(tree, dict) and tree != "calibrated":
+        raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {tree!r}")
+    tokenizer = options.get("tokenizer")
+    if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
+        raise ValueError(f"tokenizer must be the target's tokenizer (a transformers tokenizer) or None, got "
+                         f"{type(tokenizer).__name__}")
+    observer = options.get("step_observer")
+    if observer is not None and not callable(observer):
+        raise ValueError(f"step_observer must be a function called after every verify step, or None, got "
+                         f"{observer!r}")
+
+
 def _engine_options() -> frozenset[str]:
     """The keywords `SelfSpecModel` takes besides what `from_pretrained` names itself."""
     names = inspect.signature(SelfSpecModel.__init__).parameters
@@ -814,8 +893,6 @@ def _engine_options() -> frozenset[str]:
 
 def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):
     """Apply and merge the LoRA adapter saved in `<drafter>/<adapter>/` (a local folder or hub id)."""
-    import os
-
     from huggingface_hub import snapshot_download
     from peft import PeftModel
 
@@ -843,16 +920,44 @@ _UNSUPPORTED = {"repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "encoder_r
                 "stop_strings": None, "watermarking_config": None, "penalty_alpha": None, "dola_layers": None}
 
 
+# generation_config fields asking for more than the token ids generate returns, or for a time limit it has not
+_UNRETURNED = ("output_scores", "output_logits", "return_dict_in_generate", "output_attentions",
+               "output_hidden_states", "max_time")
+# Where neither the call nor the target's generation_config sets one: transformers' own defaults
+# (`GenerationConfig._get_default_generation_params`, which a test compares), so sampling means what it does there.
+TRANSFORMERS_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def _with_keywords(generation_config, settings: dict) -> GenerationConfig | None:
+    """The call's generation_config with generate's extra keywords over it, as transformers' generate takes them."""
+    if generation_config is not None and not isinstance(generation_config, GenerationConfig):
+        raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
+    if not settings:
+        return generation_config
+    merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
+    unknown = merged.update(**settings)
+    if unknown:
+        raise TypeError(f"generate got {', '.join(sorted(unknown))}: neither an argument of SelfSpecModel.generate "
+                        "nor a GenerationConfig field (logits processors, stopping criteria and model inputs "
+                        "other than input_ids and attention_mask are not supported)")
+    return merged
+
+
 def _refuse_unsupported(gc: GenerationConfig, where: str, warn_only: bool = False) -> None:
     """Raise (or, for the target's own defaults, warn) for settings that would change target.generate's
-    output and that speculative verification here does not reproduce."""
+    output and that speculative verification here does not reproduce, or ask for what generate does not return."""
     found = {k: getattr(gc, k, None) for k, neutral in _UNSUPPORTED.items()
              if getattr(gc, k, None) not in (None, neutral, [], {})}
-    if not found:
+    unreturned = {k: getattr(gc, k, None) for k in _UNRETURNED if getattr(gc, k, None) not in (None, False)}
+    if not found and not unreturned:
         return
-    message = (f"{where} sets {found}; SelfSpecModel applies temperature, top_k, top_p, min_new_tokens, "
-               "suppress_tokens, begin_suppress_tokens and single-token bad_words_ids, not these, so its output "
-               "would differ from target.generate")
+    if found:
+        message = (f"{where} sets {found}; SelfSpecModel applies temperature, top_k, top_p, min_new_tokens, "
+                   "suppress_tokens, begin_suppress_tokens and single-token bad_words_ids, not these, so its "
+                   "output would differ from target.generate")
+    else:
+        message = (f"{where} sets {unreturned}; SelfSpecModel.generate returns the token ids only (no scores, "
+                   "logits, attentions, hidden states or dict) and stops at max_new_tokens or eos, not on a clock")
     if warn_only:
         warnings.warn(message + "; they are ignored", stacklevel=4)
     else:
@@ -872,6 +977,15 @@ def _int_like(value, name: str) -> int:
         return operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
+
+
+def _real(value, name: str) -> float:
+    """A real number as generate takes one (int, float, numpy number, one-element tensor); text and bools refused."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.dtype != torch.bool:
+        return float(value.item())
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, float, np.integer, np.floating)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    return float(value)
 
 
 def _token_ids(value, name: str, vocab: int, single: bool = False) -> list[int]:

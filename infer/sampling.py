@@ -35,8 +35,8 @@ class SamplingParams:
         if not isinstance(self.do_sample, bool):
             raise TypeError(f"do_sample must be a bool, got {self.do_sample!r}")
         if self.do_sample:
-            if not self.temperature > 0:
-                raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}; "
+            if not 0 < self.temperature < float("inf"):  # NaN too; infinity makes -inf logits NaN
+                raise ValueError(f"temperature must be > 0 and finite when sampling, got {self.temperature}; "
                                  "use do_sample=False for greedy decoding")
             if not isinstance(self.top_k, int) or self.top_k < 0:
                 raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")

@@ -122,8 +122,10 @@ def test_it_stands_aside_where_more_than_the_argmax_is_read(kernel):
         assert torch.equal(model.generate(IDS, generation_config=config), expected)
         assert model.last_stats["int8_argmax"] is False
     typical = SelfSpecModel(target, "ngram", typical_acceptance=True)
-    typical.generate(IDS, max_new_tokens=8)
+    typical.generate(IDS, max_new_tokens=8, do_sample=True, generator=torch.Generator().manual_seed(0))
     assert typical.last_stats["int8_argmax"] is False
+    typical.generate(IDS, max_new_tokens=8)  # greedy: typical acceptance is greedy acceptance, argmax only
+    assert typical.last_stats["int8_argmax"] is True
 
 
 def test_a_head_weight_changed_in_place_is_requantized(kernel):
