@@ -109,8 +109,11 @@ def accept_typical(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
 
     A draft x is accepted when p(x) > min(threshold, alpha * exp(-H(p))) under the target's processed
     distribution p at its parent; the deepest such path is kept and the bonus is sampled from p. Faster
-    than rejection sampling at high temperature, but the output no longer follows the target exactly.
+    than rejection sampling at high temperature, but the output no longer follows the target exactly. Under
+    greedy decoding (`params.do_sample` False) there is nothing to loosen: it is greedy acceptance.
     """
+    if not params.do_sample:
+        return accept_greedy(tree, logits, ancestors, depth)
     probs = logits_to_probs(logits, params)  # [B, N, V]
     entropy = -(probs * probs.clamp(min=1e-30).log()).sum(-1)  # [B, N]
     cutoff = torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy))
