@@ -6,7 +6,7 @@ import os
 
 from huggingface_hub import HfApi
 
-from .base import WEIGHTS_NAME, check_weights_file
+from .weights import WEIGHTS_NAME, check_weights_file
 
 REQUIRED = ("config.json", WEIGHTS_NAME, "README.md")
 

@@ -8,6 +8,7 @@ import datasets
 import pytest
 from train_fixtures import CHATML, char_tokenizer, conversations, write_alpaca, write_messages, write_sharegpt
 
+from heads.eagle3.objective import token_counts
 from train.data import (
     Sample,
     build_samples,
@@ -16,7 +17,6 @@ from train.data import (
     epoch_batches,
     load_rows,
     split_samples,
-    token_counts,
     tokenize_conversation,
 )
 

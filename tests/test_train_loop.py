@@ -387,7 +387,7 @@ def test_soft_targets_are_the_targets_next_token_logits_at_every_ttt_step(kind):
     shifted last-layer features (restricted to the draft vocabulary for EAGLE-3)."""
     from conftest import tiny_model
 
-    from train.losses import shift_left
+    from heads.losses import shift_left
     from train.objectives import build_objective
 
     target = tiny_model("llama")

@@ -41,6 +41,7 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
 import torch  # noqa: E402
 
 import heads  # noqa: E402
+from heads.losses import StepStats  # noqa: E402
 from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
 from train.data import (  # noqa: E402
     collate,
@@ -53,7 +54,6 @@ from train.data import (  # noqa: E402
     tokenize_conversations,
 )
 from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
-from train.losses import StepStats  # noqa: E402
 from train.objectives import build_objective  # noqa: E402
 from train.target import load_target, target_fingerprint  # noqa: E402
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from heads.losses import StepStats, token_loss, topk_hits
 from infer.kv import additive_mask
-from train.losses import StepStats, token_loss, topk_hits
 
 from .model import block_attention, block_positions
 

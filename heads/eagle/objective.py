@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from train.losses import StepStats, shift_left, token_loss, topk_hits, unrolled_attention_mask
+from heads.losses import StepStats, shift_left, token_loss, topk_hits, unrolled_attention_mask
 
 
 class EagleObjective(nn.Module):

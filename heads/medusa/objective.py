@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from train.losses import StepStats, shift_left, token_loss, topk_hits
+from heads.losses import StepStats, shift_left, token_loss, topk_hits
 
 
 class MedusaObjective(nn.Module):
