@@ -38,7 +38,7 @@ def write_model_card(folder, config, kind: str, title: str | None = None) -> str
                   f"config.json): with this tree on {lookup['prompts']} held-out prompts, {speeds} "
                   f"({lookup['device']}, {lookup['threads']} threads). `SelfSpecModel(..., lookup_first=...)` "
                   "overrides it.", ""]
-        if "no_drafts" in lookup:  # measured since 2026-11-27
+        if "no_drafts" in lookup:  # calibrations written before no drafts was timed lack it
             lines += [f"With no drafts (one token a target forward through the same engine): "
                       f"{lookup['no_drafts']['tokens_per_second']:.1f} tokens/s: drafting "
                       f"{'pays' if lookup['drafting_pays'] else 'does not pay'} on that machine.", ""]
