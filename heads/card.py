@@ -1,9 +1,14 @@
-"""The README.md model card written next to every saved drafter."""
+"""What is written next to every saved drafter: its README.md model card, and the calibrated tree and acceptance
+statistics stored in its config (`write_calibration`)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
+from pathlib import Path
+
+from .kinds import REGISTRY
 
 
 def write_model_card(folder, config, kind: str, title: str | None = None) -> str:
@@ -53,7 +58,7 @@ def write_model_card(folder, config, kind: str, title: str | None = None) -> str
     else:
         lines.append("No measurements recorded.")
     lines += ["", "## Use", "", "```python", "import heads",
-              "from infer.engine import SelfSpecModel", "",
+              "from infer import SelfSpecModel", "",
               "drafter = heads.load(\"<this repo or folder>\")",
               f"model = SelfSpecModel(target, drafter)  # target: {base or 'the base model'}",
               "```", ""]
@@ -61,3 +66,25 @@ def write_model_card(folder, config, kind: str, title: str | None = None) -> str
     with open(path, "w", encoding="utf-8") as f:
         f.write("\n".join(front + [""] + lines))
     return path
+
+
+def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_first: dict | None = None) -> None:
+    """Store the chosen tree and the acceptance statistics (`infer.calibrate.choose`'s) in the saved drafter at
+    `folder`: its config.json (the weights are unchanged) and its model card. Later loads draft with that tree,
+    and `tree="calibrated"` chooses again from the statistics on another machine. `lookup_first`, a
+    `measure_lookup_first` result, is stored beside the statistics and sets `config.lookup_first`, which
+    `SelfSpecModel` follows unless told otherwise."""
+    config = drafter.config
+    config.tree = config.resolve_tree({**config.tree, **tree})
+    if lookup_first is not None:
+        calibration = {**calibration, "lookup_first": lookup_first}
+        config.lookup_first = bool(lookup_first["pays"])
+    config.calibration = calibration
+    # the weights in the folder keep their dtype (a drafter stored in fp16 may have been loaded in fp32)
+    saved = copy.deepcopy(config)
+    existing = Path(folder) / "config.json"
+    stored = json.loads(existing.read_text()).get("dtype") if existing.is_file() else None
+    saved.dtype = stored or config.dtype
+    saved.save_pretrained(folder)
+    registered = REGISTRY.get(drafter.kind)
+    write_model_card(folder, saved, kind=drafter.kind, title=registered.title if registered else None)

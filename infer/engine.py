@@ -1,4 +1,4 @@
-"""`SelfSpecModel`: speculative generation over any transformers causal LM, verified with a tree mask.
+"""The engine: speculative generation over any transformers causal LM, verified with a tree mask.
 
 The loop (Stern et al. 2018; Leviathan et al. 2023; Cai et al. 2024 for trees):
 
@@ -12,6 +12,10 @@ The loop (Stern et al. 2018; Leviathan et al. 2023; Cai et al. 2024 for trees):
 
 Greedy output is token-identical to `target.generate(do_sample=False)`; sampling is exact rejection
 sampling over the tree, so outputs follow the target's distribution.
+
+`Engine` runs a settled `infer.options.Plan` and chooses nothing: which drafter, kernels and forwards run, and
+whether a call of several rows drafts, are settled before it (`infer.policy.settle`); `infer.SelfSpecModel` is
+the engine with its options settled so.
 """
 
 from __future__ import annotations
@@ -19,9 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import gc
-import inspect
 import operator
-import os
 import threading
 import time
 import warnings
@@ -31,24 +33,19 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import cpu_linear, gqa_attention, lean_forward
-from .drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, NoDrafter, build_drafter, known
+from . import cpu_linear, lean_forward
+from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
-from .embedded import target_tokenizer
 from .kv import KVState, forward_block, prompt_tree
+from .options import Plan
 from .sampling import SamplingParams, next_token
+from .target import generation_mode, max_positions
 from .tree import DraftTree
 from .verify import accept_greedy, accept_sampled, accept_typical
 
-MASKABLE_ATTENTION = ("sdpa", "eager")
 # With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
 # a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
-# A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
-# estimates good to about 10% (docs/training.md), and where the two are that close no drafts loses little. Seen on a
-# 2-core Zen 5 (2026-11-28, all 80 MT-bench first turns, two rows a call): drafting predicted 3% ahead, measured 25%
-# behind as the shipped drafter loads (lookup first); alone, in a shorter check, 7% behind (docs/benchmarks.md).
-BATCH_MARGIN = 1.1
 # Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
 VERIFY_ROOM = VERIFY_BUCKETS[-1]
 
@@ -61,72 +58,6 @@ def verify_bucket(nodes: int) -> int:
     return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
 
 
-def as_drafter(drafter, target, tokenizer=None, lookup_first: bool | None = None,
-               tree: dict | None = None) -> Drafter:
-    """Turn what the user passed into a `Drafter`: a name from `infer.drafters.DRAFTERS` ("ngram", "gguf",
-    "int8", "early_exit:8", ...), a heads model, a draft LM, or a Drafter.
-
-    With `tokenizer`, a heads drafter also checks the tokenizer fingerprint it was trained with. With
-    `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead; None = what a heads
-    drafter's config says (`scripts/calibrate.py --write` measures it), off for any other drafter. `tree`
-    overrides a heads drafter's saved tree settings."""
-    if tree is not None and not hasattr(drafter, "as_drafter"):
-        raise ValueError(f"tree= sets the drafting tree of a trained drafter (heads model); a "
-                         f"{type(drafter).__name__} has none: drop tree=")
-    if isinstance(drafter, Drafter):
-        out = drafter
-    elif isinstance(drafter, str):
-        out = build_drafter(drafter, target, tokenizer)
-    elif hasattr(drafter, "as_drafter"):  # a trained drafter from `heads`
-        if tokenizer is None and drafter.config.tokenizer_fingerprint is not None:
-            tokenizer = target_tokenizer(target)
-            if tokenizer is None:
-                warnings.warn("the drafter records the tokenizer it was trained with, but the target's could "
-                              "not be found to compare; pass tokenizer= to SelfSpecModel", stacklevel=3)
-        drafter.attach(target, tokenizer)
-        out = drafter.as_drafter(**(tree or {}))
-        if lookup_first is None:
-            lookup_first = bool(drafter.config.lookup_first)
-    elif isinstance(drafter, PreTrainedModel) and hasattr(drafter, "generate"):
-        out = DraftModelDrafter(drafter)
-    else:
-        raise TypeError(f"cannot draft with a {type(drafter).__name__}: pass a drafter name ({known()}), a "
-                        "heads model, a causal LM sharing the target's tokenizer, or an infer.Drafter")
-    if lookup_first and not isinstance(out, (NgramDrafter, LookupFirstDrafter)):
-        out = LookupFirstDrafter(out)
-    out.check_target(target)
-    return out
-
-
-def _check_maskable(target) -> None:
-    """A target whose attention cannot take a 4D tree mask runs with sdpa during generate (and gets its own
-    implementation back afterwards); refuse one that cannot switch."""
-    with _modes_lock:  # a call under way on the target holds a maskable attention: nothing is switched then
-        impl = target.config._attn_implementation
-        if impl in MASKABLE_ATTENTION:
-            return
-        try:
-            target.set_attn_implementation("sdpa")
-        except (ValueError, ImportError) as err:
-            raise ValueError(f"target uses attention {impl!r}, which cannot take a tree mask, and cannot switch "
-                             "to sdpa; load it with attn_implementation='eager'") from err
-        finally:
-            _set_attention(target, impl)
-    warnings.warn(f"attention implementation {impl!r} cannot take a 4D tree mask; the target runs with "
-                  "'sdpa' during generate and gets its own back afterwards", stacklevel=3)
-
-
-def _set_attention(target, impl: str) -> None:
-    try:
-        target.set_attn_implementation(impl)
-    except (ValueError, ImportError):  # the user's own setting, even one this machine cannot load
-        target.config._attn_implementation = impl
-
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-               "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
-
-
 _gc_lock = threading.Lock()
 _gc_state = {"calls": 0, "enabled": False}  # generate calls under way, and whether the collector was on before them
 
@@ -136,11 +67,9 @@ def _cyclic_gc_paused():
     """Python's cyclic garbage collector off while any generate call runs, and as it was after the last one.
 
     A step allocates hundreds of tensors and small objects, which trigger collections; every so often one is a
-    full collection over the whole heap (about 418k tracked objects with SmolLM2 and transformers loaded). On the
-    Zen 5 host (2026-11-28), all 80 MT-bench first turns with the collector on and off interleaved in one process:
-    the shipped drafter as it loads 170.0 -> 173.0 tokens/s (1.8%), no drafts 157.8 -> 158.8 (0.6%). Nothing is
-    lost: a generate call leaves no cyclic garbage (a collection after each of four 128-token generations found
-    none), and reference counting frees everything else as before."""
+    full collection over the whole heap (hundreds of thousands of tracked objects with a model and transformers
+    loaded), a cost generation pays for nothing (docs/benchmarks.md, "The engine's cost on a CPU"). Nothing is
+    lost: a generate call leaves no cyclic garbage, and reference counting frees everything else as before."""
     with _gc_lock:
         if _gc_state["calls"] == 0:
             _gc_state["enabled"] = gc.isenabled()
@@ -153,63 +82,6 @@ def _cyclic_gc_paused():
             _gc_state["calls"] -= 1
             if _gc_state["calls"] == 0 and _gc_state["enabled"]:
                 gc.enable()
-
-
-# A target shared by several SelfSpecModels (one per thread) is set up for generation by the first call in and
-# restored by the last one out: a call restoring it while another runs would pull the ground from under it.
-_modes_lock = threading.Lock()
-_modes: dict[int, list] = {}  # id(target) -> [calls under way, the target's state before the first]
-
-
-@contextlib.contextmanager
-def _generation_mode(target):
-    """Eval mode and a maskable attention for the call (on CPU, sdpa as `infer.gqa_attention` runs it for
-    grouped K/V heads). Afterwards the target is as it was: the user's train/eval flags and attention, and
-    no attribute or hook left on its modules (transformers installs hidden-state capture hooks on first use,
-    which would make the model unpicklable). Calls on one target from several threads share the set-up."""
-    with _modes_lock:
-        entry = _modes.get(id(target))
-        if entry is None:
-            entry = _modes[id(target)] = [0, _set_up(target)]
-        entry[0] += 1
-    try:
-        yield
-    finally:
-        with _modes_lock:
-            entry[0] -= 1
-            if entry[0] == 0:
-                del _modes[id(target)]
-                _restore(target, *entry[1])
-
-
-def _set_up(target) -> tuple[dict, str, bool]:
-    """Put the target in generation mode; returns what `_restore` needs to undo it."""
-    before = {name: (m.training, set(m.__dict__), {d: set(getattr(m, d, {})) for d in _HOOK_DICTS})
-              for name, m in target.named_modules()}
-    impl = target.config._attn_implementation
-    during = impl if impl in MASKABLE_ATTENTION else "sdpa"
-    if during == "sdpa" and target.device.type == "cpu":
-        during = gqa_attention.NAME  # sdpa, without a copy of the KV cache per query head
-    switch = during != impl
-    if switch:
-        target.set_attn_implementation(during)
-    target.eval()
-    return before, impl, switch
-
-
-def _restore(target, before: dict, impl: str, switch: bool) -> None:
-    if switch:
-        _set_attention(target, impl)
-    for name, m in target.named_modules():
-        if name not in before:
-            continue
-        training, keys, hooks = before[name]
-        m.training = training
-        for d, ids in hooks.items():
-            for hook_id in set(getattr(m, d, {})) - ids:
-                getattr(m, d).pop(hook_id, None)
-        for key in set(m.__dict__) - keys:
-            del m.__dict__[key]
 
 
 @dataclass
@@ -243,207 +115,52 @@ class _Rows:
         return False
 
 
-class SelfSpecModel:
-    """A frozen target plus a drafter, generating with tree-verified speculation.
+class Engine:
+    """A frozen target plus a drafter, generating with tree-verified speculation as its `Plan` says.
 
-    >>> model = SelfSpecModel(target, "ngram")
-    >>> out = model.generate(input_ids, max_new_tokens=64)   # == target.generate(input_ids, ...)
+    >>> engine = Engine(target, plan)   # the plan from infer.policy.settle, or infer.tuning.plan
+    >>> out = engine.generate(input_ids, max_new_tokens=64)   # == target.generate(input_ids, ...)
     """
 
-    def __init__(self, target: PreTrainedModel, drafter, typical_acceptance: bool = False, tokenizer=None,
-                 cpu_prepack: bool | None = None, lookup_first: bool | None = None, compile: bool = False,
-                 static_cache: bool | int = False, tree: dict | str | None = None, step_observer=None,
-                 lean_verify: bool | None = None, int8_argmax: bool = True, int8_drafter: bool = True,
-                 draft_batches: bool | None = None):
-        """Every option is checked here, before any work: a flag must be a bool (the string "false" is refused).
-
-        `typical_acceptance`: when sampling, accept drafts by Medusa's typical acceptance
-        (`infer.verify.accept_typical`: faster, not lossless); greedy decoding stays greedy.
-
-        `lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats
-        itself, the drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
-        `scripts/calibrate.py --write` where lookup first measured faster on held-out prompts), else off.
-
-        `cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights
-        (`infer.cpu_linear`), or on selfspec's streamed kernel for the block sizes where it measured faster on
-        this machine (`infer.calibrate.stream_rows`, timed once per machine and cached); None = on for an fp32
-        CPU target whose linear weights take at most a quarter of RAM (off for the target when its verify is
-        compiled).
-
-        `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or
-        "calibrated": the tree that maximizes predicted tokens/s on this machine, from the acceptance
-        statistics `scripts/calibrate.py --write` stored with the drafter and this machine's verify and draft
-        costs, measured on first use and cached per device (`infer.calibrate.calibrated_tree`).
-
-        `step_observer`: called as `step_observer(tree, acceptance, budget)` after every verify step with
-        the verified `DraftTree`, the `infer.verify.Acceptance` and the [B] depth budget the tree was cut to
-        (live rows only), e.g. to count which nodes are accepted (`infer.calibrate.AcceptanceRecorder`);
-        None (the default) costs nothing.
-
-        `static_cache`: the target's KV cache is preallocated for the whole generation and committed in
-        place (True: room for prompt + max_new_tokens, rounded up to 256 slots but never past the target's
-        context, and kept for later calls of the same batch size while they fit; an int, at most the context:
-        that many tokens of prompt plus output, and a longer request is refused before any work), with
-        `VERIFY_ROOM` more slots for the block being verified; verify blocks are padded to `VERIFY_BUCKETS` node
-        counts, so the verify forward has a few fixed shapes. The cache stays allocated between calls
-        (`free_cache()` drops it).
-
-        `compile`: run the drafter's own one-token forwards through `torch.compile` where it has any (the
-        draft-model and self-drafters: `bf16`, `int8`, `int4`, `early_exit`, ...), and with `static_cache`
-        the target's verify forward too (one graph per bucket; CUDA graphs on a GPU). The first generate pays
-        the compiles. A compiler failure falls back to eager with one warning. On this project's CPU the
-        compiled verify did not pay (docs/benchmarks.md).
-
-        `lean_verify`: run the target's prefill and verify forwards as `infer.lean_forward.LeanForward` computes them
-        (the same function in fewer, larger ops, on the user's weights as they are) instead of through the
-        model's modules. None = wherever it can: with `cpu_prepack` on a Llama-layout target
-        (`lean_forward.why_not`, checked again at every call), not compiled, and no forward hook of the
-        user's on the target at the call (hooks then see every forward). True where it cannot is an error;
-        False = never. `last_stats["verify_forward"]` says which ran. Unless False, an EAGLE-3 drafter's
-        forwards run the same way where they can (`heads.eagle3.lean.LeanEagle3`: widened q/k/v over a
-        Llama-layout layer, fp32 on CPU, no hook of the user's on the drafter).
-
-        `int8_argmax`: where the lean forward verifies and only each node's greedy token is read (greedy, no
-        typical acceptance, no token bans from suppress_tokens, begin_suppress_tokens or min_new_tokens), take
-        it through `infer.argmax_head.ArgmaxHead`: an int8 copy of the LM head finds the tokens that could be
-        the argmax (a proven bound), its fp32 rows score them. The same tokens, for a quarter of the head's
-        bytes (SmolLM2-135M: 28 MB instead of 113 MB a verify, about 2 ms less on a 2-core CPU); the copy is
-        kept here while the weight is unchanged. False = the full fp32 head always.
-
-        `int8_drafter`: where an EAGLE-3 drafter's forward runs lean, draft from int8 copies of its weights
-        (`heads.eagle3.lean.LeanEagle3`): its LM head's scores the draft vocabulary, and those of its `fc` and
-        layers run every draft step (not the prompt) on the streamed kernel. Drafting reads a quarter of the bytes
-        (the shipped drafter: 0.8 ms less a step for the head on the 2-core Xeon, and on the Zen 5 EPYC its
-        linears at one row 0.17 ms against 1.18 in fp32) and may rank near-ties otherwise; the output is the
-        same. False = its fp32 weights.
-
-        `draft_batches`: whether a call of several rows drafts. A trained drafter's tree is chosen for one row,
-        and each further row costs the verify forward nearly as much again on a CPU, so a tree that pays on one
-        row can lose on several (the shipped drafter on a 2-core Zen 5, 80 MT-bench first turns 4 a call: 194.1
-        tokens/s drafting, 338.3 with no drafts).
-        None = where a drafter with acceptance statistics (`scripts/calibrate.py --write`) is predicted to be
-        faster than no drafts at the call's batch size by more than `BATCH_MARGIN` (`infer.calibrate.predict_batch`:
-        timed on the first call of each batch size, then cached), else with no drafts; the same output either way, and
-        `last_stats["batch_drafting"]` says which ran and why. True = always draft; False = a call of several
-        rows never drafts. One-row calls always draft."""
-        if not isinstance(target, PreTrainedModel) or not hasattr(target, "generate"):
-            raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
-        _check_options(typical_acceptance=typical_acceptance, tokenizer=tokenizer, cpu_prepack=cpu_prepack,
-                       lookup_first=lookup_first, compile=compile, static_cache=static_cache, tree=tree,
-                       step_observer=step_observer, lean_verify=lean_verify, int8_argmax=int8_argmax,
-                       int8_drafter=int8_drafter, draft_batches=draft_batches)
-        max_len = _max_positions(target.config)
-        if static_cache is not True and max_len and static_cache > max_len:
-            raise ValueError(f"static_cache={static_cache} tokens is more than the target's context of {max_len} "
-                             f"positions can use: pass at most {max_len}, or True (sized per call)")
-        _check_maskable(target)
+    def __init__(self, target: PreTrainedModel, plan: Plan):
+        options = plan.options
         self.target = target  # its train/eval flags are the user's: generate sets eval only for the call
-        self.cpu_prepack = cpu_linear.worth_it(self.target) if cpu_prepack is None else bool(cpu_prepack)
-        if self.cpu_prepack and not cpu_linear.available():
-            raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
-        if tree == "calibrated" and hasattr(drafter, "as_drafter"):  # as_drafter refuses any other drafter
-            from .calibrate import calibrated_tree
-
-            tree = calibrated_tree(drafter, target, tokenizer, prepack=self.cpu_prepack)
-        self.drafter = as_drafter(drafter, self.target, tokenizer, lookup_first, tree)
-        self.draft_batches = draft_batches
-        # a trained drafter with acceptance statistics and the tree it drafts: what predict_batch needs
-        calibration = getattr(getattr(drafter, "config", None), "calibration", None)
-        self._batch_tree = (drafter, drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})) if (
-            hasattr(drafter, "as_drafter") and calibration and calibration.get("measured")) else None
-        self._batch_choices: dict[int, dict | None] = {}  # per batch size: whether its calls draft, and why
+        self.plan = plan
+        self.drafter = plan.drafter
+        self.cpu_prepack = plan.cpu_prepack
         self._active: Drafter = self.drafter  # the drafter of the call in progress (NoDrafter where it stands down)
-        self.step_observer = step_observer
-        self.typical_acceptance = typical_acceptance
-        self.static_cache = static_cache
+        self.step_observer = options.step_observer
+        self.typical_acceptance = options.typical_acceptance
+        self.static_cache = options.static_cache
+        self.int8_argmax = options.int8_argmax
         self._verify_forward = None  # the target's compiled forward for verify blocks (static cache only)
         self._cache: KVState | None = None  # the static KV cache, kept for the next call of the same shape
         # the drafter that runs forwards of its own (lookup-first wraps one)
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
-        if compile:
-            if hasattr(own, "compile_forwards"):
-                own.compile_forwards()
-            elif not static_cache:
-                warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile "
-                              "and without static_cache the verify is not compiled; nothing is compiled",
-                              stacklevel=2)
-            if static_cache:
-                self._verify_forward = _CompiledForward(target)
+        if options.compile:
+            self._compile(own)
         self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
-        self._stream_rows = 0  # verify blocks of 2..this many rows run on the streamed kernel (measured once)
-        if self.cpu_prepack:
-            from .calibrate import stream_rows
-
-            self._stream_rows = stream_rows(self.target)
-        # the verify forward without transformers' module machinery, where it can run
-        self._lean_verify = False
-        if lean_verify is not False:
-            problem = lean_forward.why_not(self.target) if self.cpu_prepack else "cpu_prepack is off"
-            if problem is None and self._verify_forward is not None:
-                problem = "the verify forward is compiled (compile=True with static_cache)"
-            if problem is None:
-                self._lean_verify = True
-            elif lean_verify:
-                raise ValueError(f"lean_verify=True cannot run for this target: {problem}. Pass lean_verify=None "
-                                 "to use it where it can, or False")
+        self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
+        self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
         self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
-        self.int8_argmax = int8_argmax
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
-            own.lean_forwards(self._stream_rows if lean_verify is not False and self.cpu_prepack else None,
-                              int8=int8_drafter)
+            own.lean_forwards(plan.drafter_stream_rows, int8=options.int8_drafter)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
+
+    def _compile(self, own: Drafter) -> None:
+        """The drafter's own forwards compiled where it has any, and with a static cache the verify forward."""
+        if hasattr(own, "compile_forwards"):
+            own.compile_forwards()
+        elif not self.static_cache:
+            warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile "
+                          "and without static_cache the verify is not compiled; nothing is compiled", stacklevel=4)
+        if self.static_cache:
+            self._verify_forward = _CompiledForward(self.target)
 
     def free_cache(self) -> None:
         """Drop the static KV cache kept between calls (the next call allocates a new one)."""
         self._cache = None
-
-    @classmethod
-    def from_pretrained(cls, drafter_path_or_hub_id: str, target: PreTrainedModel | None = None,
-                        tokenizer=None, tree: dict | str | None = None, **kwargs) -> SelfSpecModel:
-        """Load a saved drafter and, unless given, the target recorded in its config (with its tokenizer,
-        which is checked against the one the drafter was trained with; pass `tokenizer=` with your own
-        target, or it is looked for beside the target).
-
-        A Medusa-2 drafter (trained jointly with LoRA on the target) records `target_adapter`; the
-        adapter saved beside it is applied to the loaded target and merged, since the heads only predict
-        well on top of the adapted target. `tree` is passed on to `SelfSpecModel` ("calibrated": the tree
-        chosen for this machine).
-
-        Keywords that `SelfSpecModel` takes (`lookup_first`, `int8_drafter`, `compile`, ...) set up the engine;
-        the others go to the target's `from_pretrained` (`dtype`, `revision`, ...), so they need the target to be
-        loaded here: with `target=` given they are an error.
-        """
-        import heads
-
-        options = {k: kwargs.pop(k) for k in list(kwargs) if k in _engine_options()}
-        _check_options(tree=tree, tokenizer=tokenizer, **options)  # before the drafter, and maybe the target, is loaded
-        if not isinstance(drafter_path_or_hub_id, (str, os.PathLike)):
-            raise TypeError(f"drafter_path_or_hub_id must be a folder or a hub id, got "
-                            f"{type(drafter_path_or_hub_id).__name__}")
-        if target is not None and not isinstance(target, PreTrainedModel):
-            raise TypeError(f"target must be a transformers causal LM (or None: the one the drafter records), got "
-                            f"{type(target).__name__}")
-        if target is not None and kwargs:
-            raise TypeError(f"{', '.join(sorted(kwargs))}: neither a SelfSpecModel option nor usable with target= "
-                            "given (keywords other than SelfSpecModel's load the recorded target); load your "
-                            "target with them yourself")
-        drafter = heads.load(drafter_path_or_hub_id)
-        adapter = (drafter.config.training or {}).get("target_adapter")
-        if target is None:
-            name = drafter.config.base_model_name_or_path
-            if not name:
-                raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path; pass target=")
-            from .embedded import resolve_target
-
-            target, tokenizer = resolve_target(name, **kwargs)
-            if adapter:
-                target = _merge_adapter(target, heads.resolve_drafter(drafter_path_or_hub_id), adapter)
-            return cls(target, drafter, tokenizer=tokenizer, tree=tree, **options)
-        if adapter:
-            warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
-                          f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)
-        return cls(target, drafter, tokenizer=tokenizer, tree=tree, **options)
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()
@@ -479,7 +196,7 @@ class SelfSpecModel:
             self._active, batch_drafting = self._drafter_for(input_ids.shape[0])
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            with _generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
+            with generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
                 out = self._generate(input_ids, attention_mask, call, streamer, generator)
@@ -491,25 +208,11 @@ class SelfSpecModel:
             self._busy.release()
 
     def _drafter_for(self, rows: int) -> tuple[Drafter, dict | None]:
-        """The drafter of a call of `rows` rows (`draft_batches`): the model's own, or `NoDrafter` where a call of
-        several rows stands down; and what decided it (None for one row, or where nothing was predicted)."""
-        if rows == 1 or self.draft_batches is True or isinstance(self.drafter, NoDrafter):
+        """The drafter of a call of `rows` rows: the model's own, or `NoDrafter` where the plan has a call of several
+        rows stand down; and what decided it (None for one row, or where nothing was decided)."""
+        if rows == 1 or isinstance(self.drafter, NoDrafter) or self.plan.batch_drafting is None:
             return self.drafter, None
-        if self.draft_batches is False:
-            return NoDrafter(), {"batch": rows, "drafts": False, "why": "draft_batches=False"}
-        if self._batch_tree is None:
-            return self.drafter, None
-        if rows not in self._batch_choices:
-            from .calibrate import predict_batch
-
-            predicted = predict_batch(self.target, *self._batch_tree, rows, prepack=self.cpu_prepack)
-            self._batch_choices[rows] = None  # the statistics hold no such tree: nothing to go by
-            if predicted is not None:
-                drafting, none = (rows * p.tokens_per_second for p in predicted)
-                self._batch_choices[rows] = {"batch": rows, "drafts": drafting > BATCH_MARGIN * none,
-                                             "why": "predicted", "margin": BATCH_MARGIN,
-                                             "predicted_tokens_per_second": {"drafting": drafting, "no_drafts": none}}
-        choice = self._batch_choices[rows]
+        choice = self.plan.batch_drafting(rows)
         if choice is None:
             return self.drafter, None
         return (self.drafter if choice["drafts"] else NoDrafter()), dict(choice)
@@ -664,7 +367,7 @@ class SelfSpecModel:
                              "static_cache, shorten the request, or pass static_cache=True (sized per call)")
         if self.static_cache is True:  # sized per call, in steps of 256 slots, never shrinking: few shapes
             capacity = -(-(tokens + VERIFY_ROOM) // 256) * 256
-            max_len = _max_positions(self.target.config)
+            max_len = max_positions(self.target.config)
             if max_len:  # a step of 256 never past the context: nothing could use the slots
                 capacity = min(capacity, max(tokens, max_len) + VERIFY_ROOM)
             capacity = max(capacity, self._cache.capacity if self._cache else 0)
@@ -683,7 +386,7 @@ class SelfSpecModel:
 
     # ---------------------------------------------------------------- bookkeeping
     def _start_rows(self, attention_mask, max_new_tokens) -> _Rows:
-        max_len = _max_positions(self.target.config)
+        max_len = max_positions(self.target.config)
         prompt_lens = attention_mask.sum(1).tolist()
         limit = [min(max_new_tokens, max_len - n) if max_len else max_new_tokens for n in prompt_lens]
         if min(limit) < max_new_tokens:
@@ -817,7 +520,7 @@ class SelfSpecModel:
         if not (attention_mask[:, -1] == 1).all() or (attention_mask.diff(dim=1) < 0).any():
             raise ValueError("prompts must be left-padded (attention_mask 0...0 1...1 per row); set "
                              "tokenizer.padding_side = 'left'")
-        max_len = _max_positions(self.target.config)
+        max_len = max_positions(self.target.config)
         if max_len and int(lengths.max()) >= max_len:
             raise ValueError(f"prompt of {int(lengths.max())} tokens leaves no room in the target's context "
                              f"of {max_len} positions")
@@ -858,57 +561,6 @@ def _pad_block(tokens, offsets, attend, valid, size: int):
     block = attend.new_zeros(b, size, size)
     block[:, :m, :m] = attend
     return padded[0], padded[1], block, padded[2]
-
-
-def _check_options(**options) -> None:
-    """`SelfSpecModel`'s options, checked before any work (loading, calibrating, compiling); each error names the
-    option. The string "false" is not False: a flag is a bool."""
-    for name in ("typical_acceptance", "compile", "int8_argmax", "int8_drafter"):
-        if name in options and not isinstance(options[name], bool):
-            raise ValueError(f"{name} must be True or False, got {options[name]!r}")
-    for name in ("cpu_prepack", "lookup_first", "lean_verify", "draft_batches"):
-        if options.get(name) is not None and not isinstance(options[name], bool):
-            raise ValueError(f"{name} must be True, False or None, got {options[name]!r}")
-    static = options.get("static_cache", False)
-    if not isinstance(static, (bool, int)) or (type(static) is int and static < 1):
-        raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static!r}")
-    tree = options.get("tree")
-    if tree is not None and not isinstance(tree, dict) and tree != "calibrated":
-        raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {tree!r}")
-    tokenizer = options.get("tokenizer")
-    if tokenizer is not None and not callable(getattr(tokenizer, "get_vocab", None)):
-        raise ValueError(f"tokenizer must be the target's tokenizer (a transformers tokenizer) or None, got "
-                         f"{type(tokenizer).__name__}")
-    observer = options.get("step_observer")
-    if observer is not None and not callable(observer):
-        raise ValueError(f"step_observer must be a function called after every verify step, or None, got "
-                         f"{observer!r}")
-
-
-def _engine_options() -> frozenset[str]:
-    """The keywords `SelfSpecModel` takes besides what `from_pretrained` names itself."""
-    names = inspect.signature(SelfSpecModel.__init__).parameters
-    return frozenset(names) - {"self", "target", "drafter", "tokenizer", "tree"}
-
-
-def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):
-    """Apply and merge the LoRA adapter saved in `<drafter>/<adapter>/` (a local folder or hub id)."""
-    from huggingface_hub import snapshot_download
-    from peft import PeftModel
-
-    folder = drafter_path_or_hub_id
-    if not os.path.isdir(folder):
-        folder = snapshot_download(folder, allow_patterns=[f"{adapter}/*"])
-    return PeftModel.from_pretrained(target, os.path.join(folder, adapter)).merge_and_unload().eval()
-
-
-def _max_positions(config) -> int | None:
-    text = config.get_text_config()
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(text, name, None)
-        if value:
-            return int(value)
-    return None
 
 
 # generation_config fields whose logits processors we do not apply; each changes what target.generate returns

@@ -27,8 +27,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
 from bench import environment, memory_floor  # noqa: E402
 
 from infer import SelfSpecModel  # noqa: E402
-from infer.calibrate import load_prompts  # noqa: E402
 from infer.embedded import resolve_target  # noqa: E402
+from infer.tuning.acceptance import load_prompts  # noqa: E402
 
 
 def new_tokens(out: torch.Tensor, width: int, eos: set[int]) -> int:

@@ -126,7 +126,7 @@ def choose_tree(target, tokenizer, drafter_dir: Path, tree: str, unused: list[di
     """`tree` as given, or calibrated on the unused prompts; the hand-picked tree where calibration cannot
     choose (a block drafter's chain) or too few unused prompts are left."""
     import heads
-    from infer.calibrate import calibratable
+    from infer.tuning.acceptance import calibratable
 
     if tree != "calibrated":
         return set_tree(drafter_dir, tree)
@@ -147,11 +147,13 @@ def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[
     """Measure `drafter`'s acceptance on `prompts` and this machine's costs, and save the tree that
     maximizes the predicted tokens/s into its folder, with whether prompt lookup first made that tree faster
     on the same prompts (what `scripts/calibrate.py --write` does)."""
-    from infer.calibrate import choose, encode_prompts
+    from heads.card import write_calibration
+    from infer.calibrate import choose
+    from infer.tuning.acceptance import encode_prompts
 
     choice = choose(target, drafter, encode_prompts(tokenizer, [q["turns"][0] for q in prompts]),
                     max_new_tokens=max_new_tokens, tokenizer=tokenizer)
-    choice.write(drafter_dir, drafter)
+    write_calibration(drafter_dir, drafter, choice.calibration, choice.tree, choice.lookup_first)
     speeds = {way: choice.lookup_first[way]["tokens_per_second"] for way in ("alone", "lookup_first", "no_drafts")}
     print(f"drafting tree calibrated on {len(prompts)} unused prompts: {choice.best.candidate.nodes} nodes "
           f"({choice.tree}), predicted {choice.best.tokens_per_second:.1f} tokens/s here (no drafts: "

@@ -22,7 +22,8 @@ import os
 import torch
 
 # timed as calibration times
-from infer.calibrate import block_costs, forward_cost, median_seconds, stream_rows
+from infer.tuning.plan import stream_rows
+from infer.tuning.timing import block_costs, forward_cost, median_seconds
 
 
 def static_forward_cost(model, context: int, sizes: list[int], repeats: int, compiled: bool = False) -> dict[int, float]:
@@ -76,11 +77,11 @@ def main(argv=None) -> None:
     if rows:
         with cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
             columns[f"streamed<={rows}"] = forward_cost(model, args.context, args.sizes, args.repeats)
-        from infer.engine import _generation_mode
         from infer.lean_forward import LeanForward, why_not
+        from infer.target import generation_mode
 
         # as generate runs it: its attention switch (infer/gqa_attention.py), the kernel choice, its cache
-        with _generation_mode(model), cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
+        with generation_mode(model), cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
             columns["engine, modules"] = block_costs(model, model, args.context, args.sizes, args.repeats)
             if why_not(model) is None:
                 lean = LeanForward(model, rows, cpu_linear.PackCache())

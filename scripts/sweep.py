@@ -129,8 +129,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
-    from infer.calibrate import encode_prompts, load_prompts
     from infer.embedded import resolve_target
+    from infer.tuning.acceptance import encode_prompts, load_prompts
 
     prompts_text = load_prompts(args.prompts)[: args.tau_prompts]  # bad input fails before any training
     args.out.mkdir(parents=True, exist_ok=True)

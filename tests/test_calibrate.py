@@ -1,4 +1,4 @@
-"""Tree calibration (infer/calibrate.py, heads.trees): the choice from acceptance statistics, the acceptance
+"""Tree calibration (infer/calibrate.py, infer/tuning/): the choice from acceptance statistics, the acceptance
 observed through the engine, greedy equality with calibrated and early-stopping trees, and bad prompt files."""
 
 from __future__ import annotations
@@ -16,7 +16,14 @@ import torch
 from conftest import tiny_model
 
 import heads
-from heads.trees import (
+from heads.card import write_calibration
+from infer import SelfSpecModel, calibrate, policy
+from infer.drafters import LookupFirstDrafter
+from infer.drafting import TargetStep
+from infer.sampling import SamplingParams
+from infer.tree import tree_from_paths
+from infer.tuning import acceptance, cache, timing
+from infer.tuning.candidates import (
     NO_DRAFTS,
     Candidate,
     Prediction,
@@ -26,12 +33,6 @@ from heads.trees import (
     prior_paths,
     ranked_paths,
 )
-from infer import calibrate, engine
-from infer.drafters import LookupFirstDrafter
-from infer.drafting import TargetStep
-from infer.engine import SelfSpecModel
-from infer.sampling import SamplingParams
-from infer.tree import tree_from_paths
 
 ROOT = Path(__file__).resolve().parent.parent
 _TARGET: dict = {}
@@ -140,7 +141,7 @@ class _TimedGenerations:
 
 def test_a_step_with_no_drafts_is_split_from_the_difference_of_two_generations(tmp_path, monkeypatch):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
-    short, long = calibrate.NO_DRAFTS_TOKENS
+    short, long = timing.NO_DRAFTS_TOKENS
     runs = {short: (1.0, {"target_seconds": 0.5, "draft_seconds": 0.1, "target_forwards": short}),
             long: (3.0, {"target_seconds": 1.3, "draft_seconds": 0.26, "target_forwards": long})}
     models = []
@@ -153,9 +154,9 @@ def test_a_step_with_no_drafts_is_split_from_the_difference_of_two_generations(t
         fn()
         return models[-1].wall
 
-    monkeypatch.setattr(calibrate, "SelfSpecModel", model)
-    monkeypatch.setattr(calibrate, "_seconds", seconds)
-    step = calibrate.no_drafts_step(target(), context=16, repeats=2)
+    monkeypatch.setattr(timing, "engine", model)
+    monkeypatch.setattr(timing, "seconds", seconds)
+    step = timing.no_drafts_step(target(), context=16, repeats=2)
     # what each call pays once (the prompt's forward; 0.4 s outside the forward and the drafter) drops out
     steps = long - short
     assert step["engine_seconds"] == pytest.approx(((3.0 - 1.3 - 0.26) - (1.0 - 0.5 - 0.1)) / steps)
@@ -164,11 +165,11 @@ def test_a_step_with_no_drafts_is_split_from_the_difference_of_two_generations(t
     none = calibrate.predict_no_drafts(target(), context=16, repeats=2)
     assert none.candidate.nodes == 0 and none.tokens_per_second == pytest.approx(steps / (3.0 - 1.0))
     models.clear()
-    assert calibrate.no_drafts_step(target(), context=16, repeats=2) == step and not models  # cached
+    assert timing.no_drafts_step(target(), context=16, repeats=2) == step and not models  # cached
     runs[long] = runs[short][0], {**runs[short][1]}  # an end-of-sequence token at once: both made as many steps
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path / "fresh"))
     with pytest.raises(RuntimeError, match="could not be timed"):
-        calibrate.no_drafts_step(target(), context=16, repeats=2)
+        timing.no_drafts_step(target(), context=16, repeats=2)
 
 
 @pytest.mark.parametrize("drafting_pays", [True, False])
@@ -180,7 +181,7 @@ def test_a_calibrated_tree_slower_than_no_drafts_is_named_a_loss(drafting_pays, 
                                                 "p_accept": [0.5], "tree": {"mode": "static", "paths": [[0]]}}]}
     tree = Candidate({"mode": "static", "paths": [[0]]}, 1, 0.5)
     monkeypatch.setattr(calibrate, "predict", lambda *a, **k: [Prediction(tree, 0.2, 1.0, 0.3)])  # 1.5 / 1.5
-    none = Prediction(calibrate.NO_DRAFTS, 0.0, 1.2 if drafting_pays else 0.2, 0.3)  # 1 / 1.5 or 1 / 0.5
+    none = Prediction(NO_DRAFTS, 0.0, 1.2 if drafting_pays else 0.2, 0.3)  # 1 / 1.5 or 1 / 0.5
     monkeypatch.setattr(calibrate, "predict_no_drafts", lambda *a, **k: none)
     for _ in range(2):  # measured, then read from the cache
         with warnings.catch_warnings(record=True) as caught:
@@ -203,8 +204,8 @@ RECORDED = [("eagle", "dynamic"), ("eagle3", "static"), ("medusa", "static")]
 def test_recorded_acceptance_agrees_with_accepted_lengths(kind, mode):
     t = target()
     drafter = peaked(heads.build(kind, t))
-    tree = calibrate.wide_tree(drafter.config, mode, wide=64, depth=3 if kind != "medusa" else None)
-    recorder = calibrate.AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"))
+    tree = acceptance.wide_tree(drafter.config, mode, wide=64, depth=3 if kind != "medusa" else None)
+    recorder = acceptance.AcceptanceRecorder(mode, paths=tree.get("paths"), depth=tree.get("depth"))
     model = SelfSpecModel(t, drafter, tree=tree, step_observer=recorder)
     ids = torch.cat(prompts(2, seed=3))
     mask = torch.ones_like(ids)
@@ -255,7 +256,7 @@ def test_statistics_of_the_wide_tree_predict_a_smaller_tree_exactly(kind, mode):
         _TARGET["vocab16"] = tiny_model("llama", vocab_size=16)
     t = _TARGET["vocab16"]
     drafter = heads.build(kind, t)
-    wide = calibrate.wide_tree(drafter.config, mode, wide=64, depth=4 if kind != "medusa" else None)
+    wide = acceptance.wide_tree(drafter.config, mode, wide=64, depth=4 if kind != "medusa" else None)
     depth = max(len(p) for p in wide["paths"]) if mode == "static" else wide["depth"]
     if mode == "dynamic":
         smaller = [{**wide, "depth": d, "total_tokens": n} for d, n in ((1, 3), (2, 1), (2, 8), (4, 3), (4, 20))]
@@ -266,7 +267,7 @@ def test_statistics_of_the_wide_tree_predict_a_smaller_tree_exactly(kind, mode):
     predicted_total = 0
     for _ in range(10):
         ids = torch.randint(3, 16, (1, 8), generator=g)
-        recorder = calibrate.AcceptanceRecorder(mode, paths=wide.get("paths"), depth=wide.get("depth"))
+        recorder = acceptance.AcceptanceRecorder(mode, paths=wide.get("paths"), depth=wide.get("depth"))
         recorder(*first_step(t, drafter, wide, ids))
         assert recorder.steps == 1
         for tree in smaller:
@@ -359,7 +360,7 @@ def predicting(monkeypatch, drafting: float, none: float) -> list:
         asked.append(batch)
         return Prediction(Candidate(tree, 1, drafting - 1), 0.0, 1.0), Prediction(NO_DRAFTS, 0.0, 1 / none)
 
-    monkeypatch.setattr(calibrate, "predict_batch", predict)
+    monkeypatch.setattr(policy, "predict_batch", predict)
     return asked
 
 
@@ -375,7 +376,7 @@ def test_a_batch_drafts_where_drafting_is_predicted_faster_and_the_output_never_
     assert asked == [2]
     choice = model.last_stats["batch_drafting"]
     assert (choice["batch"], choice["drafts"], choice["why"]) == (2, drafts, "predicted")
-    assert choice["margin"] == engine.BATCH_MARGIN > 1.05  # drafting predicted within it: no drafts
+    assert choice["margin"] == policy.BATCH_MARGIN > 1.05  # drafting predicted within it: no drafts
     assert choice["predicted_tokens_per_second"] == pytest.approx({"drafting": 2 * drafting, "no_drafts": 2 * none})
     assert bool(proposed) == drafts
     # one row drafts the tree it was calibrated for, with nothing predicted
@@ -425,9 +426,9 @@ def test_predict_batch_times_both_ways_at_the_batch_size_and_caches_them(tmp_pat
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     drafter = calibrated()
     batches = []
-    block_costs, draft_costs = calibrate.block_costs, calibrate.draft_costs
-    monkeypatch.setattr(calibrate, "block_costs", lambda *a, **k: batches.append(k["batch"]) or block_costs(*a, **k))
-    monkeypatch.setattr(calibrate, "draft_costs", lambda *a, **k: batches.append(k["batch"]) or draft_costs(*a, **k))
+    block_costs, draft_costs = timing.block_costs, timing.draft_costs
+    monkeypatch.setattr(timing, "block_costs", lambda *a, **k: batches.append(k["batch"]) or block_costs(*a, **k))
+    monkeypatch.setattr(timing, "draft_costs", lambda *a, **k: batches.append(k["batch"]) or draft_costs(*a, **k))
     drafting, none = calibrate.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
     assert batches == [3, 3]
     candidate = calibrate.tree_candidate(drafter.config.calibration, drafter.config.tree)
@@ -445,12 +446,12 @@ def test_two_cpus_of_one_bare_model_name_keep_their_own_costs():
     numbers keep the cost curves and trees cached for one from being read on the other."""
     zen3 = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n"
     zen5 = zen3.replace(": 25", ": 26").replace(": 1\n", ": 2\n")
-    names = calibrate.cpu_name(zen3), calibrate.cpu_name(zen5)
+    names = cache.cpu_name(zen3), cache.cpu_name(zen5)
     assert names == ("AMD EPYC (family 25, model 1)", "AMD EPYC (family 26, model 2)")
-    assert calibrate.cpu_name(zen5 + "processor\t: 1\ncpu family\t: 25\n") == names[1]  # the first CPU's
-    assert calibrate.cpu_name("model name\t: Some CPU\n") == "Some CPU"
-    assert calibrate.cpu_name("Features\t: neon\n") is None  # no model name: device_name falls back to platform
-    assert calibrate.device_name(torch.device("cpu"))
+    assert cache.cpu_name(zen5 + "processor\t: 1\ncpu family\t: 25\n") == names[1]  # the first CPU's
+    assert cache.cpu_name("model name\t: Some CPU\n") == "Some CPU"
+    assert cache.cpu_name("Features\t: neon\n") is None  # no model name: device_name falls back to platform
+    assert cache.device_name(torch.device("cpu"))
 
 
 def test_calibrated_tree_needs_statistics_and_a_trained_drafter():
@@ -462,7 +463,7 @@ def test_calibrated_tree_needs_statistics_and_a_trained_drafter():
     with pytest.raises(ValueError, match="'calibrated' or None"):
         SelfSpecModel(t, heads.build("eagle", t), tree="fastest")
     with pytest.raises(ValueError, match="DFlash|settings"):
-        calibrate.wide_tree(heads.build("dflash", t.config).config)
+        acceptance.wide_tree(heads.build("dflash", t.config).config)
 
 
 # ---- early stop of the dynamic tree -------------------------------------------------------------------------
@@ -556,7 +557,7 @@ def test_draft_costs_times_each_drafting_shape(monkeypatch):
         return propose(self, budget)
 
     monkeypatch.setattr(EagleDrafter, "propose", counted)
-    costs = calibrate.draft_costs(t, drafter, trees, context=16, repeats=1, prepack=False)
+    costs = timing.draft_costs(t, drafter, trees, context=16, repeats=1, prepack=False)
     assert len(timed) == 3 and costs[2] == costs[3] and len(set(costs[:3])) == 3
 
 
@@ -578,10 +579,10 @@ def test_prompt_files(tmp_path):
     good = tmp_path / "good.jsonl"
     good.write_text('"plain text"\n\n{"question_id": 1, "category": "x", "turns": ["first", "second"]}\n'
                     '{"prompt": "p"}\n{"instruction": "do", "input": "this"}\n')
-    assert calibrate.load_prompts(good) == ["plain text", "first", "p", "do\n\nthis"]
+    assert acceptance.load_prompts(good) == ["plain text", "first", "p", "do\n\nthis"]
     array = tmp_path / "array.json"
     array.write_text(json.dumps(["a", {"prompt": "b"}]))
-    assert calibrate.load_prompts(array) == ["a", "b"]
+    assert acceptance.load_prompts(array) == ["a", "b"]
 
 
 @pytest.mark.parametrize(("name", "text", "message"), [
@@ -599,7 +600,7 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path, name, text, message):
     path = tmp_path / name
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
-        calibrate.load_prompts(path)
+        acceptance.load_prompts(path)
 
 
 def calibrate_script():
@@ -681,7 +682,7 @@ def test_lookup_first_is_measured_both_ways_on_the_same_output(kind, monkeypatch
     steps = []
     propose = LookupFirstDrafter.propose
     monkeypatch.setattr(LookupFirstDrafter, "propose", lambda self, budget: steps.append(1) or propose(self, budget))
-    result = calibrate.measure_lookup_first(t, drafter, ids, drafter.config.tree, max_new_tokens=12)
+    result = acceptance.measure_lookup_first(t, drafter, ids, drafter.config.tree, max_new_tokens=12)
     alone, first, none = result["alone"], result["lookup_first"], result["no_drafts"]
     assert alone["new_tokens"] == first["new_tokens"] == none["new_tokens"] == 3 * 12  # greedy: the same tokens
     assert len(steps) >= first["target_forwards"] - 3  # every drafting step of that way went through lookup
@@ -692,7 +693,7 @@ def test_lookup_first_is_measured_both_ways_on_the_same_output(kind, monkeypatch
     drafting = max(alone["tokens_per_second"], first["tokens_per_second"])
     assert result["drafting_pays"] is (drafting > none["tokens_per_second"])
     with pytest.raises(ValueError, match="at least one held-out prompt"):
-        calibrate.measure_lookup_first(t, drafter, [], drafter.config.tree)
+        acceptance.measure_lookup_first(t, drafter, [], drafter.config.tree)
 
 
 def test_the_drafters_lookup_first_is_the_default_the_user_can_override(tmp_path):
@@ -714,10 +715,10 @@ def test_a_shallow_chosen_tree_does_not_narrow_the_next_measurement():
     config = heads.build("eagle3", t).config
     config.tree = {**config.tree, "mode": "dynamic", "depth": 1}  # what --write chose on a machine
     config.calibration = {"measured": [{"mode": "dynamic", "tree": {**config.tree, "depth": 3}}]}
-    assert calibrate.wide_tree(config)["depth"] == 3  # measured as deep as before
-    assert calibrate.wide_tree(config, depth=2)["depth"] == 2  # unless asked
+    assert acceptance.wide_tree(config)["depth"] == 3  # measured as deep as before
+    assert acceptance.wide_tree(config, depth=2)["depth"] == 2  # unless asked
     config.calibration = None
-    assert calibrate.wide_tree(config)["depth"] == 1
+    assert acceptance.wide_tree(config)["depth"] == 1
 
 
 def test_writing_keeps_the_stored_weights_dtype(tmp_path):
@@ -726,7 +727,7 @@ def test_writing_keeps_the_stored_weights_dtype(tmp_path):
     drafter = heads.load(tmp_path / "drafter", dtype=torch.float32)  # as a shipped drafter loads by name
     lookup = {"pays": True, "alone": {"tokens_per_second": 40.0}, "lookup_first": {"tokens_per_second": 44.0},
               "prompts": 16, "device": "a CPU", "threads": 2}
-    calibrate.write_calibration(tmp_path / "drafter", drafter, {"measured": []}, {"depth": 2}, lookup)
+    write_calibration(tmp_path / "drafter", drafter, {"measured": []}, {"depth": 2}, lookup)
     stored = json.loads((tmp_path / "drafter" / "config.json").read_text())
     assert stored["dtype"] == "float16" and stored["lookup_first"] is True and stored["tree"]["depth"] == 2
     card = (tmp_path / "drafter" / "README.md").read_text()

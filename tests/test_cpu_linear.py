@@ -110,21 +110,21 @@ def test_blocks_above_stream_rows_go_to_onednn():
 
 
 def test_stream_rows_is_measured_once_per_machine(monkeypatch, tmp_path):
-    from infer import calibrate
+    from infer.tuning import plan
 
     _kernel()
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     model = tiny_model("llama")
-    rows = calibrate.stream_rows(model, repeats=1)
-    assert rows == 0 or rows in calibrate.STREAM_SIZES
+    rows = plan.stream_rows(model, repeats=1)
+    assert rows == 0 or rows in plan.STREAM_SIZES
     (entry,) = (tmp_path / "calibration").glob("stream_rows-*.json")
     assert set(json.loads(entry.read_text())["seconds"]) == {"streamed", "onednn"}
     monkeypatch.setattr(cpu_linear, "streamed_kernel", lambda: pytest.fail("measured again"))
-    assert calibrate.stream_rows(model) == rows  # read from the cache
+    assert plan.stream_rows(model) == rows  # read from the cache
 
 
 def test_stream_rows_gives_near_ties_to_the_streamed_kernel():
-    from infer.calibrate import choose_stream_rows
+    from infer.tuning.plan import choose_stream_rows
 
     ms = lambda streamed, onednn: {"streamed": dict(zip((2, 4, 8, 16, 32), streamed, strict=True)),  # noqa: E731
                                    "onednn": dict(zip((2, 4, 8, 16, 32), onednn, strict=True))}
@@ -149,11 +149,11 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
-    from infer import calibrate
+    from infer.tuning import plan
 
     kernel = _kernel()
     calls = []
-    monkeypatch.setattr(calibrate, "stream_rows", lambda model: 16)  # whatever this machine measured
+    monkeypatch.setattr(plan, "stream_rows", lambda model: 16)  # whatever this machine measured
     monkeypatch.setattr(cpu_linear, "streamed_kernel",
                         lambda: type("Spy", (), {"few_rows_linear": lambda self, *a: calls.append(1)
                                                  or kernel.few_rows_linear(*a)})())
@@ -165,6 +165,7 @@ def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
     assert calls  # verify blocks ran on it
 
 
+@pytest.mark.slow  # builds a second copy of the kernel, for AVX2 only
 def test_the_avx2_code_matches_plain_linear_too():
     """The kernel keeps a narrower tile without AVX-512 (16 vector registers, not 32). On an AVX-512 machine
     that code is built with -mno-avx512f and checked here; elsewhere the native build is that code."""

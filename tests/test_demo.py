@@ -17,7 +17,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import heads
-from infer.engine import SelfSpecModel
+from infer import SelfSpecModel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))  # demo.py imports bench.py from its folder, as when run

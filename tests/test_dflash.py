@@ -14,8 +14,8 @@ from conftest import tiny_model
 import heads
 from heads.dflash.model import block_attention, block_positions
 from heads.dflash.objective import DFlashObjective
+from infer import SelfSpecModel
 from infer.drafting import TargetStep
-from infer.engine import SelfSpecModel
 from infer.kv import additive_mask
 from infer.sampling import SamplingParams
 from train.config import load_config

@@ -28,8 +28,8 @@ from heads.export import (
     import_medusa_vllm,
     import_speculators,
 )
+from infer import SelfSpecModel
 from infer.drafting import TargetStep
-from infer.engine import SelfSpecModel
 from infer.sampling import SamplingParams
 
 KINDS = ["medusa", "eagle", "eagle3", "dflash"]

@@ -15,8 +15,9 @@ from conftest import perturbed_copy, tiny_model
 from transformers import GenerationConfig
 
 from infer import SelfSpecModel
-from infer.engine import _HOOK_DICTS, VERIFY_ROOM
+from infer.engine import VERIFY_ROOM
 from infer.sampling import SamplingParams
+from infer.target import HOOK_DICTS
 from infer.tree import DraftTree
 from infer.verify import accept_greedy, accept_typical
 
@@ -62,7 +63,7 @@ def test_typical_acceptance_with_greedy_settings_is_greedy_acceptance():
 
 # ------------------------------------------------------------------ one target, two threads
 def module_state(model) -> list:
-    return [(name, sorted(m.__dict__), m.training, {d: sorted(getattr(m, d, {})) for d in _HOOK_DICTS})
+    return [(name, sorted(m.__dict__), m.training, {d: sorted(getattr(m, d, {})) for d in HOOK_DICTS})
             for name, m in model.named_modules()]
 
 

@@ -4,9 +4,10 @@ only the tree differs (static paths vs. the dynamic, confidence-ranked tree)."""
 
 from __future__ import annotations
 
+from infer.tuning.candidates import prior_paths
+
 from ..base import DrafterConfig
 from ..layers import default_attn_implementation, layer_config_dict
-from ..trees import eagle_static_default_paths
 
 # Tree settings shared by EAGLE and EAGLE-3. The EAGLE-2 reference setup drafts on the order of 60 tokens
 # with depth 5-6 and top-10 expansion for 7B-13B targets; we default a little smaller (cheaper to verify
@@ -21,6 +22,12 @@ EAGLE_TREE_DEFAULTS = {
     # probability below this (easy rows go deep, hard rows stop early); 0 = never stop early
     "min_confidence": 0.0,
 }
+
+
+def eagle_static_default_paths(depth: int = 6) -> list[tuple[int, ...]]:
+    """30 nodes, 6 deep. One autoregressive drafter is more reliable per step than independent Medusa
+    heads, so the prior decays slower and the tree is deeper and narrower."""
+    return prior_paths(depth, 30, top1=0.8, decay=0.9, spread=0.3)
 
 
 def resolve_eagle_tree(tree: dict) -> dict:

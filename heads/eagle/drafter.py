@@ -166,7 +166,7 @@ class EagleDrafter(HeadDrafter):
     def pass_rows(self) -> tuple[int, ...]:
         """Rows of each drafter pass `propose` runs per batch row after the observe step (the frontier of
         depths 1, 2, ...), without the early stop: with the context, what a drafting step costs. Dynamic trees
-        that differ only in `total_tokens` may differ here; `infer.calibrate.draft_costs` times each value."""
+        that differ only in `total_tokens` may differ here; `infer.tuning.timing.draft_costs` times each value."""
         if self.static is not None:
             return tuple(len(self.static.expand[d]) for d in range(1, self.max_depth))
         rows, frontier = [], 1

@@ -1,19 +1,19 @@
-"""Default static trees (paths of sibling ranks) for Medusa heads and EAGLE-1.
+"""Trees to choose from, and the choice: for a drafter's measured acceptance statistics, the candidate trees of
+1..N nodes with their expected accepted drafts (`candidate_trees`), each with this machine's costs a `Prediction` of
+tokens per second, and the fastest (`best_prediction`). Tree settings as data, not the drafted trees themselves
+(`infer.tree.DraftTree`).
 
-A static tree should hold the paths most likely to be accepted. Without calibration data we rank paths by
-a simple prior: the rank-r candidate at depth d is right with probability `top1 * decay**d * spread**r`
-(deeper predictions are less reliable; lower-ranked candidates much less likely), and a path's score is
-the product along it. Keeping the `num_nodes` best paths gives a tree that is wide near the root and
-narrow deep down. Once a drafter is trained, calibrate the tree on real acceptance statistics and store
-the measured paths in its config instead.
+A static tree should hold the paths most likely to be accepted. Without calibration data, paths are ranked by a
+simple prior (`prior_paths`): the rank-r candidate at depth d is right with probability `top1 * decay**d *
+spread**r` (deeper predictions are less reliable; lower-ranked candidates much less likely), and a path's score
+is the product along it. Keeping the `num_nodes` best paths gives a tree that is wide near the root and narrow
+deep down; the trained drafters' default static trees are such priors.
 
-Calibration (`infer/calibrate.py`, `scripts/calibrate.py`) drafts a wide tree on held-out prompts and
-counts how often each node is accepted. A node is accepted only if its parent is, so P(accepted) never
-grows going down, and for a static tree the expected number of accepted drafts is exactly the sum of its
-nodes' P: the best tree of N nodes holds the N most likely paths, which are ancestor-closed. For EAGLE-2's
-dynamic tree the same holds for nodes ranked by the drafter's own score (keeping the `total_tokens` best is
-keeping ranks 0..N-1). `candidate_trees` turns such statistics into trees of 1..N nodes with their expected
-accepted drafts; `Prediction` adds the measured draft and verify cost and predicts tokens per second.
+Calibration (`infer.calibrate`, `scripts/calibrate.py`) drafts a wide tree on held-out prompts and counts how
+often each node is accepted. A node is accepted only if its parent is, so P(accepted) never grows going down,
+and for a static tree the expected number of accepted drafts is exactly the sum of its nodes' P: the best tree
+of N nodes holds the N most likely paths, which are ancestor-closed. For EAGLE-2's dynamic tree the same holds
+for nodes ranked by the drafter's own score (keeping the `total_tokens` best is keeping ranks 0..N-1).
 """
 
 from __future__ import annotations
@@ -43,20 +43,6 @@ def prior_paths(depth: int, num_nodes: int, *, top1: float = 0.6, decay: float =
             for r in range(max_rank):
                 heapq.heappush(heap, (neg * p(len(path), r), path + (r,)))
     return sorted(chosen, key=lambda q: (len(q), q))
-
-
-def medusa_default_paths(num_heads: int) -> list[tuple[int, ...]]:
-    """40 nodes; with 4 heads: 6 candidates from the first head, 15 at depth 2, 14 at 3, 5 at 4."""
-    return prior_paths(num_heads, 40)
-
-
-def eagle_static_default_paths(depth: int = 6) -> list[tuple[int, ...]]:
-    """30 nodes, 6 deep. One autoregressive drafter is more reliable per step than independent Medusa
-    heads, so the prior decays slower and the tree is deeper and narrower."""
-    return prior_paths(depth, 30, top1=0.8, decay=0.9, spread=0.3)
-
-
-# ---- calibrated trees --------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
