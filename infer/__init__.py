@@ -9,7 +9,7 @@ import warnings
 
 from transformers import PreTrainedModel
 
-from . import cpu_linear
+from . import cpu
 from .drafters import DRAFTERS, DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter
 from .drafting import Drafter, TargetStep
 from .engine import Engine
@@ -95,4 +95,4 @@ def _merge_adapter(target, drafter_path_or_hub_id: str, adapter: str):
 
 __all__ = ["DRAFTERS", "build_drafter", "SelfSpecModel", "EngineOptions", "Drafter", "TargetStep", "DraftTree",
            "tree_from_paths", "NgramDrafter", "DraftModelDrafter", "LookupFirstDrafter", "SamplingParams",
-           "logits_to_probs", "sample", "cpu_linear"]
+           "logits_to_probs", "sample", "cpu"]

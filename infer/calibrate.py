@@ -37,8 +37,14 @@ from dataclasses import dataclass
 
 import torch
 
-from .tuning.acceptance import WIDE, measure_acceptance, measure_lookup_first, wide_tree
-from .tuning.acceptance import encode_prompts, load_prompts  # noqa: F401 -- until scripts/calibrate.py imports them there
+from .tuning.acceptance import (  # noqa: F401 -- until scripts/calibrate.py imports them there
+    WIDE,
+    encode_prompts,
+    load_prompts,
+    measure_acceptance,
+    measure_lookup_first,
+    wide_tree,
+)
 from .tuning.cache import config_hash, device_name, fingerprint, read_cache, write_cache
 from .tuning.candidates import NO_DRAFTS, Candidate, Prediction, best_prediction, candidate_trees
 from .tuning.plan import prepack_default

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import cpu_linear, lean_forward
+from . import cpu
 from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
@@ -139,10 +139,10 @@ class Engine:
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         if options.compile:
             self._compile(own)
-        self._packed = cpu_linear.PackCache()  # packed copies of the linear weights, owned here, not by modules
+        self._packed = cpu.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
         self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
-        self._lean: lean_forward.LeanForward | None = None  # this call's, made when it began
+        self._lean: cpu.lean_forward.LeanForward | None = None  # this call's, made when it began
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
             own.lean_forwards(plan.drafter_stream_rows, int8=options.int8_drafter)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
@@ -196,7 +196,7 @@ class Engine:
             self._active, batch_drafting = self._drafter_for(input_ids.shape[0])
             # a compiled verify traces the target's own linears (patched ones would fail its guards every call)
             packed_target = None if self._verify_forward is not None else self.target
-            with generation_mode(self.target), _cyclic_gc_paused(), cpu_linear.prepacked_linears(
+            with generation_mode(self.target), _cyclic_gc_paused(), cpu.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
                     enabled=self.cpu_prepack, stream_rows=self._stream_rows):
                 out = self._generate(input_ids, attention_mask, call, streamer, generator)
@@ -342,18 +342,15 @@ class Engine:
         model = self._lean if self._lean is not None else self.target
         return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
 
-    def _lean_forward(self, settings: _Settings) -> lean_forward.LeanForward | None:
-        """This call's lean forward of the target, or None where the model's own runs. Made per call: the user
-        may have added a hook, adapted a layer (LoRA, quantization) or swapped a weight since the last one."""
-        if not self._lean_verify or lean_forward.user_hooks(self.target):
+    def _lean_forward(self, settings: _Settings) -> cpu.lean_forward.LeanForward | None:
+        """This call's lean forward of the target, or None where the model's own runs (`cpu.lean_verify_forward`)."""
+        if not self._lean_verify:
             return None
         # where only each node's argmax is read, it comes from the int8 copy of the LM head
         reads_more = (settings.sampling.do_sample or settings.typical or settings.suppress or settings.begin_suppress
                       or (settings.min_new_tokens and settings.eos))
-        with contextlib.suppress(lean_forward.Unsupported):  # a layer adapted since construction
-            return lean_forward.LeanForward(self.target, self._stream_rows, self._packed,
-                                            argmax_only=self.int8_argmax and not reads_more)
-        return None
+        return cpu.lean_verify_forward(self.target, self._stream_rows, self._packed,
+                                       argmax_only=self.int8_argmax and not reads_more)
 
     def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:
         """The target's KV cache for one generate call: growing, or static with room for the whole request."""

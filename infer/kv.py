@@ -50,7 +50,7 @@ class RoomyLayer(DynamicLayer):
     buffer; anything else (a row selection) is adopted into a new buffer on the next update.
 
     `reserve` hands the buffers out to a caller that writes the block itself (the lean verify forward's
-    kernel, `infer.lean_forward`) and then sets `keys`/`values` to their leading slices."""
+    kernel, `infer.cpu.lean_forward`) and then sets `keys`/`values` to their leading slices."""
 
     GROW = 256
 

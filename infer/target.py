@@ -7,7 +7,7 @@ import contextlib
 import threading
 import warnings
 
-from . import gqa_attention
+from . import cpu
 
 MASKABLE_ATTENTION = ("sdpa", "eager")
 HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -56,7 +56,7 @@ def _set_attention(target, impl: str) -> None:
 
 @contextlib.contextmanager
 def generation_mode(target):
-    """Eval mode and a maskable attention for the call (on CPU, sdpa as `infer.gqa_attention` runs it for
+    """Eval mode and a maskable attention for the call (on CPU, sdpa as `infer.cpu.gqa_attention` runs it for
     grouped K/V heads). Afterwards the target is as it was: the user's train/eval flags and attention, and
     no attribute or hook left on its modules (transformers installs hidden-state capture hooks on first use,
     which would make the model unpicklable). Calls on one target from several threads share the set-up."""
@@ -81,8 +81,7 @@ def _set_up(target) -> tuple[dict, str, bool]:
               for name, m in target.named_modules()}
     impl = target.config._attn_implementation
     during = impl if impl in MASKABLE_ATTENTION else "sdpa"
-    if during == "sdpa" and target.device.type == "cpu":
-        during = gqa_attention.NAME  # sdpa, without a copy of the KV cache per query head
+    during = cpu.attention(target, during)  # on CPU: sdpa without a copy of the KV cache per query head
     switch = during != impl
     if switch:
         target.set_attn_implementation(during)

@@ -4,10 +4,10 @@ This is the number speculative decoding lives on: verifying a tree of n drafted 
 over n tokens, so the speedup is bounded by tau / (cost(n) / cost(1)). The forward runs on top of a KV
 cache of `--context` tokens, as a verification step does mid-generation, once with plain `nn.Linear`, once
 with oneDNN's prepacked weights, and once as SelfSpecModel ran it on CPU before the lean forward: blocks of
-up to `stream_rows` rows on the streamed kernel, larger ones prepacked (infer/cpu_linear.py). The last two
+up to `stream_rows` rows on the streamed kernel, larger ones prepacked (infer/cpu/linear.py). The last two
 columns time a verify block as the engine runs it now, in its own KV cache under its tree mask (what tree
 calibration times): through the model's modules (`lean_verify=False`), and through the lean forward
-(infer/lean_forward.py) where the target takes it. On a CPU every timed forward starts with the weights out of
+(infer/cpu/lean_forward.py) where the target takes it. On a CPU every timed forward starts with the weights out of
 the caches (128 MB written before it), as in generation, where the drafter's pass comes between two verifies.
 
     python scripts/forward_cost.py --target smollm2-135m-instruct --context 256
@@ -64,27 +64,27 @@ def main(argv=None) -> None:
                         help="also on the engine's static KV cache, eager and compiled (torch.compile)")
     args = parser.parse_args(argv)
 
-    from infer import cpu_linear
+    from infer.cpu import linear
     from infer.embedded import resolve_target
 
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     model, _ = resolve_target(args.target)
     plain = forward_cost(model, args.context, args.sizes, args.repeats)
-    with cpu_linear.prepacked_linears(model, enabled=cpu_linear.available()):  # oneDNN for every block
+    with linear.prepacked_linears(model, enabled=linear.available()):  # oneDNN for every block
         packed = forward_cost(model, args.context, args.sizes, args.repeats)
     columns = {"plain": plain, "prepacked": packed}
     rows = stream_rows(model)  # what SelfSpecModel does on CPU: the streamed kernel where it measured faster
     if rows:
-        with cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
+        with linear.prepacked_linears(model, enabled=True, stream_rows=rows):
             columns[f"streamed<={rows}"] = forward_cost(model, args.context, args.sizes, args.repeats)
-        from infer.lean_forward import LeanForward, why_not
+        from infer.cpu.lean_forward import LeanForward, why_not
         from infer.target import generation_mode
 
-        # as generate runs it: its attention switch (infer/gqa_attention.py), the kernel choice, its cache
-        with generation_mode(model), cpu_linear.prepacked_linears(model, enabled=True, stream_rows=rows):
+        # as generate runs it: its attention switch (infer/cpu/gqa_attention.py), the kernel choice, its cache
+        with generation_mode(model), linear.prepacked_linears(model, enabled=True, stream_rows=rows):
             columns["engine, modules"] = block_costs(model, model, args.context, args.sizes, args.repeats)
             if why_not(model) is None:
-                lean = LeanForward(model, rows, cpu_linear.PackCache())
+                lean = LeanForward(model, rows, linear.PackCache())
                 columns["engine, lean"] = block_costs(model, lean, args.context, args.sizes, args.repeats)
     if args.static:
         columns["static"] = static_forward_cost(model, args.context, args.sizes, args.repeats)

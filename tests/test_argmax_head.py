@@ -9,15 +9,16 @@ import torch.nn.functional as F
 from conftest import tiny_model
 from transformers import GenerationConfig
 
-from infer import SelfSpecModel, cpu_linear
-from infer.argmax_head import ArgmaxHead
+from infer import SelfSpecModel
+from infer.cpu import linear
+from infer.cpu.argmax_head import ArgmaxHead
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
 
 
 @pytest.fixture(scope="module")
 def kernel():
-    built = cpu_linear.streamed_kernel()
+    built = linear.streamed_kernel()
     if built is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     return built

@@ -9,9 +9,10 @@ import torch
 from conftest import on_gguf_grid, tiny_model
 from torch import nn
 
-from infer import SelfSpecModel, cpu_linear
+from infer import SelfSpecModel
+from infer.cpu import linear
 
-pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason="torch built without oneDNN")
+pytestmark = pytest.mark.skipif(not linear.available(), reason="torch built without oneDNN")
 
 
 def test_packed_rows_match_plain_linear_and_one_row_is_untouched():
@@ -20,9 +21,9 @@ def test_packed_rows_match_plain_linear_and_one_row_is_untouched():
     rows, one = torch.randn(2, 5, 48), torch.randn(1, 1, 48)
     with torch.no_grad():
         plain_rows, plain_one = layer(rows), layer(one)
-    cache = cpu_linear.PackCache()
+    cache = linear.PackCache()
     before = set(layer.__dict__)
-    with torch.no_grad(), cpu_linear.prepacked_linears(layer, cache=cache):
+    with torch.no_grad(), linear.prepacked_linears(layer, cache=cache):
         packed_rows, packed_one = layer(rows), layer(one)
         assert "forward" in layer.__dict__
     assert set(layer.__dict__) == before  # restored on exit, nothing cached on the module
@@ -35,7 +36,7 @@ def test_weight_change_repacks_and_autograd_stays_plain():
     torch.manual_seed(0)
     layer = nn.Linear(16, 24)
     x = torch.randn(4, 16)
-    with cpu_linear.prepacked_linears(layer):
+    with linear.prepacked_linears(layer):
         with torch.no_grad():
             before = layer(x)
             layer.weight.mul_(2)
@@ -49,7 +50,7 @@ def test_weight_change_repacks_and_autograd_stays_plain():
 def test_shared_module_is_patched_once():
     head = nn.Linear(8, 8)
     a, b = nn.Sequential(head), nn.Sequential(head, nn.Linear(8, 8))
-    with cpu_linear.prepacked_linears(a, b, None):
+    with linear.prepacked_linears(a, b, None):
         pass
     assert "forward" not in head.__dict__
 
@@ -68,14 +69,14 @@ def test_engine_output_same_with_and_without_prepack(arch):
 
 def test_default_policy_is_cpu_fp32_only():
     model = tiny_model("llama")
-    assert cpu_linear.worth_it(model)
-    assert not cpu_linear.worth_it(model.to(torch.bfloat16))
-    assert not cpu_linear.worth_it(nn.Module())
+    assert linear.worth_it(model)
+    assert not linear.worth_it(model.to(torch.bfloat16))
+    assert not linear.worth_it(nn.Module())
 
 
 # ------------------------------------------------------------------------------------ the streamed kernel
 def _kernel():
-    kernel = cpu_linear.streamed_kernel()
+    kernel = linear.streamed_kernel()
     if kernel is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     return kernel
@@ -91,8 +92,8 @@ def test_streamed_rows_match_plain_linear(rows, shape):
     x = torch.randn(1, rows, 2 * in_features)[..., ::2]  # not contiguous
     with torch.no_grad():
         expected = layer(x)
-    cache = cpu_linear.PackCache()
-    with torch.no_grad(), cpu_linear.prepacked_linears(layer, cache=cache, stream_rows=16):
+    cache = linear.PackCache()
+    with torch.no_grad(), linear.prepacked_linears(layer, cache=cache, stream_rows=16):
         got = layer(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert len(cache) == 0  # the streamed kernel ran, not oneDNN's packed GEMM
@@ -101,8 +102,8 @@ def test_streamed_rows_match_plain_linear(rows, shape):
 def test_blocks_above_stream_rows_go_to_onednn():
     _kernel()
     layer = nn.Linear(32, 32)
-    cache = cpu_linear.PackCache()
-    with torch.no_grad(), cpu_linear.prepacked_linears(layer, cache=cache, stream_rows=4):
+    cache = linear.PackCache()
+    with torch.no_grad(), linear.prepacked_linears(layer, cache=cache, stream_rows=4):
         layer(torch.randn(4, 32))
         assert len(cache) == 0
         layer(torch.randn(5, 32))
@@ -119,7 +120,7 @@ def test_stream_rows_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert rows == 0 or rows in plan.STREAM_SIZES
     (entry,) = (tmp_path / "calibration").glob("stream_rows-*.json")
     assert set(json.loads(entry.read_text())["seconds"]) == {"streamed", "onednn"}
-    monkeypatch.setattr(cpu_linear, "streamed_kernel", lambda: pytest.fail("measured again"))
+    monkeypatch.setattr(linear, "streamed_kernel", lambda: pytest.fail("measured again"))
     assert plan.stream_rows(model) == rows  # read from the cache
 
 
@@ -144,7 +145,7 @@ def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     with pytest.warns(UserWarning, match="c\\+\\+: command not found.*oneDNN"):
-        assert cpu_linear.streamed_kernel.__wrapped__() is None
+        assert linear.streamed_kernel.__wrapped__() is None
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -154,7 +155,7 @@ def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
     kernel = _kernel()
     calls = []
     monkeypatch.setattr(plan, "stream_rows", lambda model: 16)  # whatever this machine measured
-    monkeypatch.setattr(cpu_linear, "streamed_kernel",
+    monkeypatch.setattr(linear, "streamed_kernel",
                         lambda: type("Spy", (), {"few_rows_linear": lambda self, *a: calls.append(1)
                                                  or kernel.few_rows_linear(*a)})())
     target = tiny_model(arch)
@@ -169,9 +170,9 @@ def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
 def test_the_avx2_code_matches_plain_linear_too():
     """The kernel keeps a narrower tile without AVX-512 (16 vector registers, not 32). On an AVX-512 machine
     that code is built with -mno-avx512f and checked here; elsewhere the native build is that code."""
-    if "avx512f" not in cpu_linear._cpu_flags().split():
+    if "avx512f" not in linear._cpu_flags().split():
         pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
-    kernel = cpu_linear.build_kernel(("-mno-avx512f",))
+    kernel = linear.build_kernel(("-mno-avx512f",))
     if kernel is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     torch.manual_seed(0)
@@ -182,8 +183,8 @@ def test_the_avx2_code_matches_plain_linear_too():
             expected = torch.cat([layer(x) for layer in layers], dim=-1)
             got = kernel.few_rows_linear_cat(x, [m.weight for m in layers], [m.bias for m in layers])
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    # int8 rows (widened as loaded) and the argmax head built on them (infer/argmax_head.py)
-    from infer.argmax_head import ArgmaxHead
+    # int8 rows (widened as loaded) and the argmax head built on them (infer/cpu/argmax_head.py)
+    from infer.cpu.argmax_head import ArgmaxHead
 
     weight = torch.randn(301, 40) * 0.3
     head = ArgmaxHead(weight, kernel)
@@ -196,7 +197,7 @@ def test_the_avx2_code_matches_plain_linear_too():
 
 
 def test_int8_rows_match_their_dequantized_weights():
-    kernel = cpu_linear.streamed_kernel()
+    kernel = linear.streamed_kernel()
     if kernel is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     torch.manual_seed(0)
@@ -216,7 +217,7 @@ def test_int8_and_fp32_weights_side_by_side_in_one_pass():
     kernel = _kernel()
     torch.manual_seed(0)
     fp32, bias = torch.randn(24, 40), torch.randn(24)
-    q, scale = cpu_linear.int8_rows(torch.randn(13, 40))  # 13 rows: 3 blocks of 4 and one left over
+    q, scale = linear.int8_rows(torch.randn(13, 40))  # 13 rows: 3 blocks of 4 and one left over
     for rows in (1, 3, 4, 9, 33):
         x = torch.randn(rows, 40)
         got = kernel.few_rows_linear_cat(x, [fp32, q], [bias, None], [None, scale])
@@ -239,7 +240,7 @@ def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kern
     kernel = _kernel()
     torch.manual_seed(0)
     weight, bias = torch.randn(40, 64), torch.randn(40)
-    layer = cpu_linear.Int8Linear(weight, bias)
+    layer = linear.Int8Linear(weight, bias)
     held = layer.q.double() * layer.scale.double()[:, None]  # the weight as the int8 rows hold it
 
     def exact(x):
@@ -261,22 +262,22 @@ def test_int8_linear_runs_fp32_rows_on_the_kernel_and_others_on_torchs_int8_kern
 def test_groups_hold_a_gguf_grid_exactly_and_other_weights_within_half_a_step():
     torch.manual_seed(0)
     q4_1, q8_0 = on_gguf_grid(torch.randn(37, 96), "q4_1"), on_gguf_grid(torch.randn(37, 96), "q8_0")
-    q, scale, low = cpu_linear.int4_groups(q4_1)
+    q, scale, low = linear.int4_groups(q4_1)
     assert q.dtype == torch.uint8 and q.shape == (37, 48) and scale.shape == low.shape == (37, 3)
-    assert torch.equal(cpu_linear.int4_weight(q, scale, low), q4_1)
-    q, scale = cpu_linear.int8_groups(q8_0)
+    assert torch.equal(linear.int4_weight(q, scale, low), q4_1)
+    q, scale = linear.int8_groups(q8_0)
     assert torch.equal((q.float().view(37, 3, 32) * scale[..., None]).view(37, 96), q8_0)
     other = torch.randn(37, 96)
-    q, scale, low = cpu_linear.int4_groups(other)
-    error = (cpu_linear.int4_weight(q, scale, low) - other).abs().view(37, 3, 32)
+    q, scale, low = linear.int4_groups(other)
+    error = (linear.int4_weight(q, scale, low) - other).abs().view(37, 3, 32)
     assert (error <= scale[..., None] / 2 * (1 + 1e-5)).all()
 
 
 def _builds():
     """The native build, and on an AVX-512 machine the AVX2 code built with -mno-avx512f as well."""
     builds = [_kernel()]
-    if "avx512f" in cpu_linear._cpu_flags().split():
-        avx2 = cpu_linear.build_kernel(("-mno-avx512f",))
+    if "avx512f" in linear._cpu_flags().split():
+        avx2 = linear.build_kernel(("-mno-avx512f",))
         builds += [avx2] if avx2 is not None else []
     return builds
 
@@ -288,9 +289,9 @@ def test_grouped_weights_give_the_bits_of_the_fp32_weights_they_hold_beside_fp32
     a GGUF grid can be read on it losslessly."""
     torch.manual_seed(0)
     q4_1, q8_0 = on_gguf_grid(torch.randn(37, 96), "q4_1"), on_gguf_grid(torch.randn(37, 96), "q8_0")
-    q4, scale4, low4 = cpu_linear.int4_groups(q4_1)
-    q8, scale8 = cpu_linear.int8_groups(q8_0)
-    rows_q, rows_scale = cpu_linear.int8_rows(torch.randn(13, 96))
+    q4, scale4, low4 = linear.int4_groups(q4_1)
+    q8, scale8 = linear.int8_groups(q8_0)
+    rows_q, rows_scale = linear.int8_rows(torch.randn(13, 96))
     fp32, bias = torch.randn(11, 96), torch.randn(11)
     for kernel in _builds():
         for rows in (1, 3, 4, 5, 8, 9, 13, 14, 15, 20):
@@ -305,8 +306,8 @@ def test_grouped_weights_give_the_bits_of_the_fp32_weights_they_hold_beside_fp32
 
 
 @pytest.mark.parametrize("kind,exact,rebuild,stored", [
-    ("q4_1", cpu_linear.int4_exact, cpu_linear.int4_weight, torch.uint8),
-    ("q8_0", cpu_linear.int8_exact, cpu_linear.int8_weight, torch.int8)])
+    ("q4_1", linear.int4_exact, linear.int4_weight, torch.uint8),
+    ("q8_0", linear.int8_exact, linear.int8_weight, torch.int8)])
 def test_exact_groups_find_a_gguf_grid_and_refuse_other_weights(kind, exact, rebuild, stored):
     torch.manual_seed(0)
     grid = on_gguf_grid(torch.randn(37, 96), kind)
@@ -318,22 +319,22 @@ def test_exact_groups_find_a_gguf_grid_and_refuse_other_weights(kind, exact, reb
     assert exact(torch.randn(37, 96)) is None
     assert exact(grid[:, :80]) is None  # 80 inputs: not groups of 32
     assert exact(grid.double()) is None
-    assert cpu_linear.exact_groups(near) is None
+    assert linear.exact_groups(near) is None
 
 
 def test_exact_groups_take_the_fewest_bytes():
     """4-bit groups first where they hold the weight (a fifth of fp32's bytes), else int8 groups, else none."""
     torch.manual_seed(0)
     q8_0, q4_1 = on_gguf_grid(torch.randn(37, 96), "q8_0"), on_gguf_grid(torch.randn(37, 96), "q4_1")
-    assert cpu_linear.exact_groups(q4_1)[0].dtype == torch.uint8
-    q, scale, low = cpu_linear.exact_groups(q8_0)
-    assert q.dtype == torch.int8 and low is None and torch.equal(cpu_linear.int8_weight(q, scale), q8_0)
-    assert cpu_linear.exact_groups(torch.randn(37, 96)) is None
+    assert linear.exact_groups(q4_1)[0].dtype == torch.uint8
+    q, scale, low = linear.exact_groups(q8_0)
+    assert q.dtype == torch.int8 and low is None and torch.equal(linear.int8_weight(q, scale), q8_0)
+    assert linear.exact_groups(torch.randn(37, 96)) is None
 
 
 def test_grouped_weights_are_refused_by_name_when_malformed():
     kernel = _kernel()
-    q4, scale, low = cpu_linear.int4_groups(torch.randn(8, 64))
+    q4, scale, low = linear.int4_groups(torch.randn(8, 64))
     x = torch.randn(2, 64)
     with pytest.raises(RuntimeError, match="a 4-bit weight of 8 rows needs a scale and a low \\[8, 2\\]"):
         kernel.few_rows_linear_cat(x, [q4], [None], [scale], [None])
@@ -351,8 +352,8 @@ def test_grouped_weights_are_refused_by_name_when_malformed():
         kernel.few_rows_linear_cat(x, [q4], [None], [scale], [low, low])
 
 
-@pytest.mark.parametrize("layer_of", [lambda w, b: cpu_linear.Int4Linear(w, b),
-                                      lambda w, b: cpu_linear.Int8Linear(w, b, group=True)], ids=["int4", "int8-groups"])
+@pytest.mark.parametrize("layer_of", [lambda w, b: linear.Int4Linear(w, b),
+                                      lambda w, b: linear.Int8Linear(w, b, group=True)], ids=["int4", "int8-groups"])
 def test_grouped_linears_run_fp32_rows_on_the_kernel_and_others_on_their_fp32_weight(layer_of):
     kernel = _kernel()
     torch.manual_seed(0)
@@ -361,7 +362,7 @@ def test_grouped_linears_run_fp32_rows_on_the_kernel_and_others_on_their_fp32_we
     held = layer.weight_fp32()
     torch.testing.assert_close(held, weight, rtol=0, atol=0.3)  # 4 bits of randn: half a step is up to ~0.25
     few = torch.randn(2, 3, 64)  # 6 rows: the kernel
-    lows = [layer.low] if isinstance(layer, cpu_linear.Int4Linear) else []
+    lows = [layer.low] if isinstance(layer, linear.Int4Linear) else []
     on_kernel = kernel.few_rows_linear_cat(few.reshape(6, 64), [layer.q], [None], [layer.scale], lows)
     assert torch.equal(layer(few), on_kernel.view(2, 3, 40) + bias)
     torch.testing.assert_close(layer(few), few @ held.T + bias, rtol=1e-5, atol=1e-5)
@@ -373,7 +374,7 @@ def test_grouped_linears_run_fp32_rows_on_the_kernel_and_others_on_their_fp32_we
 
 def test_grouped_linears_need_inputs_in_groups():
     with pytest.raises(ValueError, match="int4 needs in_features divisible by 32; got \\(8, 40\\)"):
-        cpu_linear.Int4Linear(torch.randn(8, 40))
+        linear.Int4Linear(torch.randn(8, 40))
     with pytest.raises(ValueError, match="int8 groups need in_features divisible by 32; got \\(8, 40\\)"):
-        cpu_linear.Int8Linear(torch.randn(8, 40), group=True)
-    assert cpu_linear.Int8Linear(torch.randn(8, 40)).scale.shape == (8,)  # rows: any width
+        linear.Int8Linear(torch.randn(8, 40), group=True)
+    assert linear.Int8Linear(torch.randn(8, 40)).scale.shape == (8,)  # rows: any width

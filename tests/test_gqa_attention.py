@@ -8,7 +8,8 @@ from conftest import tiny_model
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from infer import SelfSpecModel, gqa_attention
+from infer import SelfSpecModel
+from infer.cpu import gqa_attention
 
 
 @pytest.mark.parametrize("mask_kind", ["bool", "float"])

@@ -13,7 +13,8 @@ from torch import nn
 
 from heads.eagle3.lean import LeanEagle3
 from heads.eagle3.lean import why_not as eagle3_why_not
-from infer import SelfSpecModel, cpu_linear, lean_forward
+from infer import SelfSpecModel
+from infer.cpu import lean_forward, linear
 from infer.drafters import self_draft
 from infer.kv import KVState, forward_block, prompt_tree
 
@@ -22,7 +23,7 @@ IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
 
 
 def _kernel():
-    kernel = cpu_linear.streamed_kernel()
+    kernel = linear.streamed_kernel()
     if kernel is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     return kernel
@@ -105,7 +106,7 @@ def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows, mon
         _kernel()
         whole_layers = _spy_whole_layers(monkeypatch)
     target = _lean_target(arch)
-    lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
+    lean = lean_forward.LeanForward(target, stream_rows, linear.PackCache())
     # a tree block after the prompt: root, two children of it, a grandchild
     depth = torch.tensor([[0, 1, 1, 2]] * 2)
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None].repeat(2, 1, 1)
@@ -121,7 +122,7 @@ def test_a_one_row_block_is_the_models(stream_rows):
     if stream_rows:
         _kernel()
     target = tiny_model("qwen2")  # q/k/v biases
-    lean = lean_forward.LeanForward(target, stream_rows, cpu_linear.PackCache())
+    lean = lean_forward.LeanForward(target, stream_rows, linear.PackCache())
     prompt, block = torch.tensor([[3, 4, 5, 6, 7]]), torch.tensor([[8]])
     outs = []
     with torch.no_grad():
@@ -404,9 +405,9 @@ def test_few_rows_attention_edge_rows_and_bad_input():
 
 
 def test_few_rows_attention_in_the_avx2_code():
-    if "avx512f" not in cpu_linear._cpu_flags().split():
+    if "avx512f" not in linear._cpu_flags().split():
         pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
-    kernel = cpu_linear.build_kernel(("-mno-avx512f",))
+    kernel = linear.build_kernel(("-mno-avx512f",))
     if kernel is None:
         pytest.skip("the streamed kernel could not be built here (no C++ compiler)")
     for head_dim in (8, 64):
@@ -420,7 +421,7 @@ def test_lean_forward_with_heads_the_attention_kernel_takes(head_dim):
     # the tiny models' heads (8 wide) are too narrow for the AVX-512 build's attention; these are not
     _kernel()
     target = tiny_model("llama", hidden_size=2 * head_dim, num_attention_heads=2, num_key_value_heads=1)
-    lean = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    lean = lean_forward.LeanForward(target, 16, linear.PackCache())
     prompt = torch.tensor([[3, 4, 5, 6, 7, 8, 9]])
     depth, valid = torch.tensor([[0, 1, 1, 2]]), torch.ones(1, 4, dtype=torch.bool)
     ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)[None]
@@ -433,7 +434,7 @@ def test_lean_forward_with_heads_the_attention_kernel_takes(head_dim):
     # the K/V the lean forward wrote, as the cache hands them to attention_tail, are inputs the kernel takes
     layer = kv.cache.layers[0]
     slots = layer.keys.shape[2]
-    kernel = cpu_linear.streamed_kernel()
+    kernel = linear.streamed_kernel()
     out = kernel.few_rows_attention(torch.randn(4, 4 * head_dim), layer.keys, layer.values,
                                     torch.zeros(1, 1, 4, slots), 2, head_dim ** -0.5)
     assert out.shape == (4, 2 * head_dim)
@@ -488,7 +489,7 @@ def test_eagle3_int8_head_scores_the_draft_vocabulary_from_one_kept_copy():
     _kernel()
     target = tiny_model("llama")
     drafter = _eagle3(target)
-    cache = cpu_linear.PackCache()
+    cache = linear.PackCache()
     fp32, int8 = LeanEagle3(drafter, 16), LeanEagle3(drafter, 16, int8=cache)
     again = LeanEagle3(drafter, 16, int8=cache)  # every int8 copy made once, kept in the cache
     assert again.head_rows is int8.head_rows and again.fc_int8.weights[0] is int8.fc_int8.weights[0]
@@ -516,9 +517,9 @@ def test_eagle3_int8_draft_steps_run_the_int8_weights_and_a_prompt_the_fp32_ones
     with torch.no_grad():
         for m in dequantized.modules():
             if isinstance(m, nn.Linear):
-                q, scale = cpu_linear.int8_rows(m.weight)
+                q, scale = linear.int8_rows(m.weight)
                 m.weight.copy_(q.float() * scale[:, None])
-    int8 = LeanEagle3(drafter, stream_rows, int8=cpu_linear.PackCache())
+    int8 = LeanEagle3(drafter, stream_rows, int8=linear.PackCache())
     assert int8.compact[0].qkv.weights[0].dtype == torch.int8 and int8.fc_int8.weights[0].dtype == torch.int8
     torch.manual_seed(2)
 
@@ -605,7 +606,7 @@ def test_quantized_lean_forward_computes_the_quantized_models_function(arch, row
     target = _lean_target(arch)
     draft = getattr(self_draft, kind)("", target).model
     if kind == "int4":  # 4-bit groups in the layers, int8 groups in the head
-        assert all(type(m) is cpu_linear.Int4Linear for m in draft.model.layers.modules() if hasattr(m, "q"))
+        assert all(type(m) is linear.Int4Linear for m in draft.model.layers.modules() if hasattr(m, "q"))
         assert draft.get_output_embeddings().group
     lean = lean_forward.LeanForward(draft, 0, None, quantized=True)
     block = torch.arange(rows).remainder(90).add(2).view(2, rows // 2)
@@ -675,7 +676,7 @@ def test_a_target_on_gguf_grids_is_verified_on_them_for_the_same_bits(rows, laye
     weights."""
     _kernel()
     target = _on_gguf_grids(tiny_model("llama"), layers)
-    grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    grid = lean_forward.LeanForward(target, 16, linear.PackCache())
     assert all(layer is not None and layer.qkv.weights[0].dtype == stored for layer in grid.compact)
     assert grid.lm_head_grid.weights[0].dtype == torch.int8
     fp32 = lean_forward.LeanForward(target, 16, None)  # no cache to keep the grids in: the fp32 weights
@@ -694,14 +695,14 @@ def test_one_row_reads_the_lm_head_on_its_grid_for_the_fp32_kernels_bits():
     gives from the fp32 head, from a quarter of its bytes. An argmax-only forward keeps its int8 argmax head."""
     kernel = _kernel()
     target = _on_gguf_grids(tiny_model("llama"))
-    grid = lean_forward.LeanForward(target, 16, cpu_linear.PackCache())
+    grid = lean_forward.LeanForward(target, 16, linear.PackCache())
     block = torch.tensor([[11], [12]])
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
     (out,), _ = _forwards_after_prompt(target, (grid,), block, depth, ancestors, valid)
     final = out.hidden_states[-1].reshape(2, -1)  # after the final norm
     head = target.get_output_embeddings().weight
     assert torch.equal(out.logits.view(2, -1), kernel.few_rows_linear_cat(final, [head], [None]))
-    argmax_only = lean_forward.LeanForward(target, 16, cpu_linear.PackCache(), argmax_only=True)
+    argmax_only = lean_forward.LeanForward(target, 16, linear.PackCache(), argmax_only=True)
     (out,), _ = _forwards_after_prompt(target, (argmax_only,), block, depth, ancestors, valid)
     assert argmax_only.argmax_head is not None and out.logits.isinf().any()  # -inf where no argmax could be
     assert argmax_only.lm_head_grid is None  # and no second copy of the head
@@ -718,7 +719,7 @@ def test_generate_verifies_on_the_grids_and_stays_exact(monkeypatch):
     model = SelfSpecModel(target, "ngram")
     assert torch.equal(model.generate(IDS, max_new_tokens=30), target.generate(IDS, max_new_tokens=30, do_sample=False))
     assert grids and all(grids)  # every verify block, one row or a chain, read the grids
-    assert all(lean_forward.LeanForward(tiny_model("llama"), 16, cpu_linear.PackCache()).compact[i] is None
+    assert all(lean_forward.LeanForward(tiny_model("llama"), 16, linear.PackCache()).compact[i] is None
                for i in range(target.config.num_hidden_layers))  # random weights: no grid
 
 
@@ -729,6 +730,6 @@ def test_an_int8_lean_forward_refuses_what_it_cannot_run():
                        match="cannot run this quantized model: an LM head other than an int8 or 4-bit one"):
         lean_forward.LeanForward(target, 0, None, quantized=True)  # fp32 linears where quantized ones were promised
     with pytest.raises(lean_forward.Unsupported, match="cannot run this target: a non-standard embedding or lm_head"):
-        lean_forward.LeanForward(self_draft.int8("", target).model, 16, cpu_linear.PackCache())
+        lean_forward.LeanForward(self_draft.int8("", target).model, 16, linear.PackCache())
     with pytest.raises(ValueError, match="argmax_only"):
         lean_forward.LeanForward(self_draft.int8("", target).model, 0, None, argmax_only=True, quantized=True)

@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from infer import cpu_linear, lean_forward
+from infer.cpu import lean_forward, linear
 from infer.kv import KVState, prompt_tree
 from infer.tree import DraftTree, tree_from_paths
 
@@ -64,7 +64,7 @@ class EagleDrafter(HeadDrafter):
         self.log_min_confidence = math.log(tree["min_confidence"]) if tree["min_confidence"] > 0 else None
         self.kv = self.root = self.last_hidden = self.last_logits = None
         self._lean_rows: int | None = None
-        self._int8: cpu_linear.PackCache | None = None  # the lean forward's int8 copies of the weights, kept here
+        self._int8: linear.PackCache | None = None  # the lean forward's int8 copies of the weights, kept here
         self.net = model  # the model, or its lean forward for the current call (`lean_forwards`)
 
     def lean_forwards(self, stream_rows: int | None, int8: bool = True) -> None:
@@ -74,7 +74,7 @@ class EagleDrafter(HeadDrafter):
         the weights (held by this adapter, not the model); None: always through the model's modules (the
         default). The engine sets this from its `lean_verify` and `int8_drafter` settings."""
         self._lean_rows = stream_rows
-        self._int8 = cpu_linear.PackCache() if int8 else None
+        self._int8 = linear.PackCache() if int8 else None
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         super().bind(target, sampling, batch_size, generator)

@@ -1,9 +1,9 @@
-"""The EAGLE-3 drafter's forward as plain tensor code, for drafting on CPU (`infer.lean_forward`'s layers).
+"""The EAGLE-3 drafter's forward as plain tensor code, for drafting on CPU (`infer.cpu.lean_forward`'s layers).
 
 `Eagle3Model.forward` runs transformers' decoder-layer modules, which on a 2-core CPU cost about as much as
 the drafter's few matmuls (docs/benchmarks.md). `LeanEagle3` computes the same function from the model's own
 tensors, read once when it is made (references, not copies): the fused-feature `fc`, the widened q/k/v layer
-and any further layers through `infer.lean_forward.LeanLayers` (the streamed kernel for 2..stream_rows rows,
+and any further layers through `infer.cpu.lean_forward.LeanLayers` (the streamed kernel for 2..stream_rows rows,
 RMSNorm and rotary in it), then the draft `lm_head`; with `int8`, draft steps read int8 copies of those weights.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from infer import cpu_linear
-from infer.lean_forward import (
+from infer.cpu import linear
+from infer.cpu.lean_forward import (
     LeanLayers,
     Linears,
     Unsupported,
@@ -26,7 +26,7 @@ from infer.lean_forward import (
 
 
 def read(model) -> list:
-    """The drafter's layers as `infer.lean_forward.Layer`s, or `Unsupported` saying why it cannot run lean."""
+    """The drafter's layers as `infer.cpu.lean_forward.Layer`s, or `Unsupported` saying why it cannot run lean."""
     check_cpu_fp32(model)
     config = model.config
     if config.input_mode != "widen":
@@ -51,7 +51,7 @@ class LeanEagle3(LeanLayers):
     [B, T, D] its own output, attention_mask, position_ids, past_key_values, ...) -> (hidden [B, T, D],
     logits over the draft vocabulary)."""
 
-    def __init__(self, model, stream_rows: int, int8: cpu_linear.PackCache | None = None):
+    def __init__(self, model, stream_rows: int, int8: linear.PackCache | None = None):
         """`int8`: draft from int8 copies of the weights (one scale a row, made once and kept in this cache): the
         LM head's scores the draft vocabulary, and those of `fc` and the layers run blocks of up to `COMPACT_ROWS`
         rows on the streamed kernel (every draft step; not the prompt, which oneDNN's fp32 GEMM runs faster). A
@@ -59,7 +59,7 @@ class LeanEagle3(LeanLayers):
         differ from the fp32 weights' at near-ties. Only the tree changes, never the output, and a top-k draft's sampling
         stays exact (its q is one-hot). Without the streamed kernel, the fp32 weights."""
         layers = self.read_or_refuse(read, model, "drafter")
-        kernel = cpu_linear.streamed_kernel() if int8 is not None else None
+        kernel = linear.streamed_kernel() if int8 is not None else None
         super().__init__(layers, stream_rows, None, None if kernel is None else [layer.int8_rows(int8) for layer in layers])
         self.model = model
         self.embed = model._require_target("the lean drafter forward")["embed"]
@@ -67,7 +67,7 @@ class LeanEagle3(LeanLayers):
         self.fc_int8 = None if kernel is None else self.fc.int8_rows(int8)
         self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
         self.head_rows = None if kernel is None else int8.derived(model.lm_head.weight, "int8 rows",
-                                                                   cpu_linear.int8_rows)
+                                                                   linear.int8_rows)
 
     @property
     def dtype(self) -> torch.dtype:

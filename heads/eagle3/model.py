@@ -155,9 +155,9 @@ class Eagle3Model(DrafterModel):
     def lean_forward(self, stream_rows: int, int8=None):
         """This forward as plain tensor code for drafting (`heads.eagle3.lean.LeanEagle3`: no transformers
         modules, blocks of 2..stream_rows rows on the streamed kernel; with `int8`, a
-        `infer.cpu_linear.PackCache`, draft steps on int8 copies of the weights kept there), or None where it cannot run
+        `infer.cpu.linear.PackCache`, draft steps on int8 copies of the weights kept there), or None where it cannot run
         (not fp32 on CPU, `input_mode: project`, ...: `heads.eagle3.lean.why_not` says why)."""
-        from infer.lean_forward import Unsupported
+        from infer.cpu.lean_forward import Unsupported
 
         from .lean import LeanEagle3
 

@@ -3,14 +3,14 @@
 - `bf16`: a bfloat16 copy of the whole target. Decoding reads every weight once per token, so half the
   bytes is up to half the time where the matrix-vector products dominate.
 - `int8`: linear weights int8 per output channel, weight-only (activations are not quantized: quantizing
-  them too drops agreement, see docs/benchmarks.md). On CPU: `infer.cpu_linear.Int8Linear` (fp32 blocks of
+  them too drops agreement, see docs/benchmarks.md). On CPU: `infer.cpu.linear.Int8Linear` (fp32 blocks of
   up to 16 rows on the streamed kernel's int8 rows, others on torch's int8 kernel with bf16 activations),
   the target's norms and embedding shared, not copied (torchao's CPU int8 path is slower than fp32 on
-  AVX2), and for a Llama-layout target the whole forward lean (`infer.lean_forward.LeanForward` over the
+  AVX2), and for a Llama-layout target the whole forward lean (`infer.cpu.lean_forward.LeanForward` over the
   int8 rows: one kernel call a layer, fp32 activations at any block size); elsewhere a copy quantized by
   torchao.
 - `int4`: the target's own norms and embedding (shared, not copied) with every decoder-layer linear held
-  as 4-bit integers in groups of 32 inputs with a scale and an offset each (`cpu_linear.Int4Linear`, GGUF's
+  as 4-bit integers in groups of 32 inputs with a scale and an offset each (`infer.cpu.linear.Int4Linear`, GGUF's
   Q4_1) and the LM head as int8 in groups of 32 (GGUF's Q8_0), run lean on the kernel with fp32 activations.
   A target dequantized from such a GGUF, as the embedded SmolLM2 is, is held again exactly, so the drafts are
   the target's own tokens but for float rounding (SmolLM2, 1,168 teacher-forced MT-bench tokens: 100%
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from ..cpu_linear import GROUP, Int4Linear, Int8Linear, groups_fit
+from ..cpu.linear import GROUP, Int4Linear, Int8Linear, groups_fit
 from .draft_model import DraftModelDrafter
 
 MAX_TOKENS = 12

@@ -15,7 +15,7 @@ import warnings
 import torch
 from transformers import PreTrainedModel
 
-from .. import cpu_linear, lean_forward
+from ..cpu import lean_forward, linear
 from ..drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from ..drafting import Drafter
 from ..embedded import target_tokenizer
@@ -39,15 +39,15 @@ def check_target(target, options: EngineOptions) -> None:
 
 def prepack_for(target, cpu_prepack: bool | None) -> bool:
     """Whether multi-row matmuls run prepacked: as asked, or for an fp32 CPU target that fits them (None)."""
-    prepack = cpu_linear.worth_it(target) if cpu_prepack is None else cpu_prepack
-    if prepack and not cpu_linear.available():
+    prepack = linear.worth_it(target) if cpu_prepack is None else cpu_prepack
+    if prepack and not linear.available():
         raise ValueError("cpu_prepack=True needs torch built with oneDNN (mkldnn); pass cpu_prepack=False")
     return prepack
 
 
 def prepack_default(target, prepack: bool | None) -> bool:
     """The measurements' reading of `prepack`: the engine's default for None, never where oneDNN is missing."""
-    return cpu_linear.worth_it(target) if prepack is None else bool(prepack) and cpu_linear.available()
+    return linear.worth_it(target) if prepack is None else bool(prepack) and linear.available()
 
 
 def as_drafter(drafter, target, tokenizer=None, lookup_first: bool | None = None,
@@ -132,7 +132,7 @@ STREAM_TIE = 0.05
 
 
 def stream_rows(model, *, repeats: int = 3) -> int:
-    """Up to how many rows the streamed kernel (`cpu_linear.few_rows_linear`) multiplies `model`'s linear
+    """Up to how many rows the streamed kernel (`linear.few_rows_linear`) multiplies `model`'s linear
     weights faster than oneDNN's packed GEMM on this machine (0: at none, or it could not be built).
 
     Every linear weight of the model is multiplied by a block of n random rows, in model order, so the
@@ -140,16 +140,16 @@ def stream_rows(model, *, repeats: int = 3) -> int:
     `repeats` runs after a warm-up, the two kernels alternating. The answer is `choose_stream_rows`'s,
     cached per model shape, device, threads and kernel source."""
     weights = [m.weight.detach() for m in model.modules()
-               if type(m) is torch.nn.Linear and cpu_linear._plain(m.weight)]
-    if not weights or weights[0].device.type != "cpu" or not cpu_linear.available():
+               if type(m) is torch.nn.Linear and linear._plain(m.weight)]
+    if not weights or weights[0].device.type != "cpu" or not linear.available():
         return 0
     fields = {"model": fingerprint(model), "device": device_name(weights[0].device),
-              "threads": torch.get_num_threads(), "kernel": digest(cpu_linear.KERNEL_SOURCE.read_text()),
+              "threads": torch.get_num_threads(), "kernel": digest(linear.KERNEL_SOURCE.read_text()),
               "tie": STREAM_TIE}  # a cache written under another rule is measured anew
     cached = read_cache("stream_rows", fields)
     if cached is not None:
         return cached["rows"]
-    kernel = cpu_linear.streamed_kernel()
+    kernel = linear.streamed_kernel()
     if kernel is None:
         return 0
     seconds = _time_kernels(weights, kernel, repeats)
@@ -160,7 +160,7 @@ def stream_rows(model, *, repeats: int = 3) -> int:
 
 def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str, dict[int, float]]:
     """Median seconds of every weight times n random rows, per kernel and n in STREAM_SIZES."""
-    packed = cpu_linear.PackCache()
+    packed = linear.PackCache()
     seconds = {"streamed": {}, "onednn": {}}
     runs = {  # inputs: in_features -> [n, in_features]
         "streamed": lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights],

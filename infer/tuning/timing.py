@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from .. import argmax_head, cpu_linear, lean_forward
 from .. import engine as engine_module
 from .. import kv as kv_module
 from .. import target as target_module
 from .. import verify as verify_module
+from ..cpu import argmax_head, lean_forward, linear
 from ..drafters.none import NoDrafter
 from ..drafting import TargetStep
 from ..kv import KVState, cache_argument, forward_block, prompt_tree
@@ -122,7 +122,7 @@ def block_costs(target, model, context: int, sizes: list[int], repeats: int, bat
 
 
 def _lean_source_hash() -> str:
-    return digest(Path(lean_forward.__file__).read_text() + cpu_linear.KERNEL_SOURCE.read_text()
+    return digest(Path(lean_forward.__file__).read_text() + linear.KERNEL_SOURCE.read_text()
                   + Path(argmax_head.__file__).read_text())
 
 
@@ -141,7 +141,7 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
     prepack = prepack_default(target, prepack)
     context = fitting_context(target, context, max_nodes + 1)
     streamed, lean = _verify_setup(target, prepack)
-    with generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
+    with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
         fields = {"target": fingerprint(target), "device": device_name(target.device),
                   "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
                   "stream_rows": streamed, "attention": target.config._attn_implementation,  # as generate runs it
@@ -167,7 +167,7 @@ def _verify_setup(target, prepack: bool) -> tuple[int, bool]:
 def _verify_model(target, streamed: int, lean: bool):
     """The forward a verify step runs: greedy, as calibration measures acceptance, so the lean forward reads each
     node's argmax only."""
-    return lean_forward.LeanForward(target, streamed, cpu_linear.PackCache(), argmax_only=True) if lean else target
+    return lean_forward.LeanForward(target, streamed, linear.PackCache(), argmax_only=True) if lean else target
 
 
 def batch_costs(target, drafter, tree: dict, nodes: int, batch: int, *, context: int, repeats: int,
@@ -183,7 +183,7 @@ def batch_costs(target, drafter, tree: dict, nodes: int, batch: int, *, context:
               "engine": _engine_source_hash(), "caches": "evicted"}
     cached = read_cache("batch", fields)
     if cached is None:
-        with generation_mode(target), cpu_linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
+        with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
             verify = block_costs(target, _verify_model(target, streamed, lean), context, [1, nodes + 1], repeats,
                                  batch=batch)
         draft = draft_costs(target, drafter, [tree], context=context, repeats=repeats, prepack=prepack,
@@ -255,7 +255,7 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
     budget = torch.full((batch,), context, device=device)  # never the limit
     timed, observe = {}, None
     streamed = stream_rows(target) if prepack else 0
-    with generation_mode(target), torch.inference_mode(), cpu_linear.prepacked_linears(
+    with generation_mode(target), torch.inference_mode(), linear.prepacked_linears(
             target, drafter, enabled=prepack, stream_rows=streamed):
         out = target(ids, output_hidden_states=bool(drafter.feature_layers))
         features = tuple(out.hidden_states[i] for i in drafter.feature_layers)

@@ -2,13 +2,13 @@
 //
 // A verify step multiplies every weight matrix by the 2-16 rows of a draft tree. The weights do not fit
 // in cache, so the step is bound by how fast they stream from memory; BLAS GEMMs, made for many rows,
-// stream them at about half the rate of the one-row GEMV on some CPUs (infer/cpu_linear.py has the
+// stream them at about half the rate of the one-row GEMV on some CPUs (docs/benchmarks.md has the
 // numbers). Here each thread walks its own contiguous block of weight rows, 4 rows at a time with
 // software prefetches ahead of each (1 KB into L1, 16 KB into L2), and multiplies them by up to 4 input rows
 // held in registers; more input rows take more passes over the same 4 weight rows, which are in L1 by then.
 // One core keeps too few reads in flight to reach the memory's bandwidth on its own, and the more rows it
-// multiplies, the fewer: the L2 prefetch far ahead is what keeps 4 rows as fast as 1 (2026-11-27, 2-core
-// Xeon, SmolLM2's linears at 4 rows: 17.7 ms with the 1 KB prefetch alone, 14.8 ms with both).
+// multiplies, the fewer: the L2 prefetch far ahead is what keeps 4 rows as fast as 1 (docs/benchmarks.md,
+// "Measurements behind the CPU engine's design").
 //
 // The weight stays as it is (row-major [N, K], no packed copy). Sums run in a different order than
 // BLAS, so results differ from F.linear by float rounding only.
@@ -19,10 +19,10 @@
 // layer after its K/V write, from attention to the next layer's input norm, in one call, its attention by
 // `few_rows_attention` where that takes the shapes; `write_kv` puts a block's K and V into the cache's
 // buffers, and `decoder_layer` is a whole layer in one call (q/k/v, rotary, `write_kv`, `attention_tail`).
-// They serve the lean verify forward (infer/lean_forward.py). Any weight may be held as int8 rows with one
+// They serve the lean verify forward (infer/cpu/lean_forward.py). Any weight may be held as int8 rows with one
 // fp32 scale a row (widened to fp32 as it is loaded: a quarter of the bytes to stream), which is how the `int8`
 // self-drafter's lean forward runs; `int8_rows_linear` is one such weight alone, and `argmax_logits` uses it to
-// score only the tokens that could be a row's argmax (infer/argmax_head.py). Or in groups of 32 inputs with a
+// score only the tokens that could be a row's argmax (infer/cpu/argmax_head.py). Or in groups of 32 inputs with a
 // scale each: int8 (GGUF's Q8_0), or 4-bit with an offset too (GGUF's Q4_1), rebuilt in registers to the bits of
 // the fp32 weight they hold: how the `int4` self-drafter's lean forward runs, and how a target whose weights lie on
 // such a grid (one dequantized from a GGUF file) is verified; the products and sums stay fp32 in every format.
@@ -46,17 +46,16 @@ namespace {
 // Accumulators live in vector registers: kWeightRows x kInputRows of them, plus kWeightRows weight vectors
 // and one input vector. AVX-512 has 32 registers of 16 floats (16 + 4 + 1 fit); AVX2 has 16 of 8 floats, so
 // there the tile is 4 x 2 (8 + 4 + 1) and 4 input rows take two passes over weight rows already in L1. The
-// AVX-512 tile built for AVX2 spills its accumulators: the 211 SmolLM2 linears took 62/97/175 ms at 2/4/8
-// rows (Xeon, -mno-avx512f), against 23/30/42 ms for the 4 x 2 tile and 29/32/36 ms for oneDNN.
+// AVX-512 tile built for AVX2 spills its accumulators and ran several times slower than the 4 x 2 tile, and
+// slower than oneDNN.
 #if defined(__AVX512F__)
 constexpr int64_t kLanes = 16;
 constexpr int64_t kWeightRows = 4;   // weight rows streamed together
 constexpr int64_t kInputRows = 4;    // input rows per pass
 // 9 to 14 input rows go against two weight rows at a time, all in one pass (2 x 14 accumulators + 2 weight vectors +
 // 1 input vector = 31 registers), so each weight row streams from memory once while all its products are computed,
-// instead of 3-4 passes of 4 x 4 tiles over weight rows in L1. SmolLM2's linears, 2-core Xeon, alternating builds,
-// median of 16: 10 rows 24.3 -> 22.3 ms, 13 rows 27.3 -> 24.1 ms; at 5-8 and 16 rows the 4 x 4 passes were as fast
-// or 2-4% faster, so they stay there.
+// instead of 3-4 passes of 4 x 4 tiles over weight rows in L1: 8-12% faster at 10-13 rows; at 5-8 and 16 rows
+// the 4 x 4 passes were as fast or slightly faster, so they stay there.
 constexpr int64_t kWideInputRows = 14;
 #else
 constexpr int64_t kLanes = 8;
@@ -105,7 +104,7 @@ inline vec4 sum_lanes4(vec a, vec b, vec c, vec d) {
 
 // acc + w * x in one rounding (an FMA instruction), written out: left to the compiler, `acc += w * x` is an FMA or
 // a product and a sum by its tuning's heuristics, loop by loop. GCC 12 tuning for AMD (znver3, which -march=native
-// picks on a Zen 5 EPYC) avoids 256-bit FMA chains, and turned tile()'s one-row fp32 loop into products and sums
+// can pick for a newer AMD CPU) avoids 256-bit FMA chains, and turned tile()'s one-row fp32 loop into products and sums
 // while the grouped tile's stayed FMAs: the AVX2 build's two readings of one weight then differed in the last bit.
 inline vec fma_lanes(vec w, vec x, vec acc) {
 #if defined(__AVX512F__)
@@ -146,7 +145,7 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
       const T* row = w + (n + b) * K + k;
       wv[b] = load_lanes(row);
       // fp32: every step, as measured for it; int8: once per 64-byte line, not at each of its 4 (AVX-512) or 8
-      // steps (SmolLM2's int8 linears and head at one row, 2-core Xeon, median of 12: 7.2 -> 6.7 ms)
+      // steps, which measured about 7% faster for int8 weights at one row
       if (sizeof(T) == sizeof(float) || k % 64 == 0) {
         __builtin_prefetch(row + ahead, 0, 3);
         __builtin_prefetch(row + far_ahead, 0, 1);
@@ -172,7 +171,7 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
 // Int8Groups: q in -127..127 ([N, K]), scale [N, K / kGroup], no offset (GGUF's Q8_0).
 //
 // Each weight is rebuilt in registers as fp32 rounds q * scale + low written out in two steps, the product and then
-// the sum, never fused into one rounding (torch's `q * scale + low`, infer/cpu_linear.py: int4_weight), and then
+// the sum, never fused into one rounding (torch's `q * scale + low`, infer/cpu/linear.py: int4_weight), and then
 // multiplied and summed exactly as tile() does an fp32 weight, lane by lane in the same order. So a grouped weight
 // gives the same bits as the fp32 weight it rebuilds, from a fifth (4-bit) or a quarter (8-bit) of its bytes: a
 // target dequantized from a GGUF file (the embedded SmolLM2) is read on its own grid, losslessly, and the `int4`
@@ -328,8 +327,8 @@ void middle_tile(const float* x, const W& w, float* y, int64_t K, int64_t ldy, i
 // Weight rows [n, n + B) against all M input rows, kInputRows at a time; on AVX-512, 9 to kWideInputRows input rows
 // go two weight rows at a time against all of them in one pass (see kWideInputRows). Grouped weights, whose groups
 // cost as much to rebuild as several input rows' products, take 5 to 8 input rows in one pass too, with all B weight
-// rows (SmolLM2's 4-bit linears, 2-core Xeon, median of 12, against passes of 4 input rows: 8 rows 14.2 -> 13.1 ms,
-// 13 rows 23.3 -> 21.4 with the pairs; at 5-8 rows pairs of weight rows were 3-9% slower than all four).
+// rows (about 8% faster for 4-bit weights at 8 and 13 rows than passes of 4 input rows, 13 with pairs of weight
+// rows; at 5-8 rows pairs of weight rows were 3-9% slower than all four).
 template <int B, typename W>
 void weight_rows(const float* x, const W& w, float* y, int64_t M, int64_t K, int64_t ldy, int64_t n,
                  const float* scale = nullptr) {
@@ -491,7 +490,7 @@ torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& we
 }
 
 // y = (x @ q.T) * scale for a weight held as int8 rows q [N, K] with one fp32 scale a row [N]; x: [M, K] fp32.
-// Each product and sum in fp32, so y differs from x @ (q * scale).T by float rounding only. infer/argmax_head.py
+// Each product and sum in fp32, so y differs from x @ (q * scale).T by float rounding only. infer/cpu/argmax_head.py
 // uses it to find the candidates for the target's greedy token.
 torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
   TORCH_CHECK(q.scalar_type() == torch::kChar, "int8_rows_linear: q [N, K] int8 contiguous expected");
@@ -500,7 +499,7 @@ torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q
 
 // The logits x @ w.T + bias where a token could be the argmax of its row, -inf elsewhere, from the int8 copy
 // (q, scale) of w and a per-token radius rho with |(x @ (q * scale).T)_j - (x @ w.T)_j| <= ||x|| * rho_j for
-// any fp32 evaluation (infer/argmax_head.py derives it). Per row r: approx = x_r @ (q * scale).T + bias,
+// any fp32 evaluation (infer/cpu/argmax_head.py derives it). Per row r: approx = x_r @ (q * scale).T + bias,
 // bound_j = ||x_r|| * (1 + rel_slack) * rho_j, floor = max_j (approx_j - bound_j) - abs_slack * (max |approx|
 // + max bound); token j is a candidate where approx_j + bound_j >= floor in any row, and its logit is then
 // computed from w's fp32 row in every row. x: [R, K] fp32, w: [V, K] fp32 contiguous. Returns [R, V], or an
@@ -828,8 +827,8 @@ torch::Tensor few_rows_attention_fitting(const torch::Tensor& qkv, const torch::
 }
 
 // softmax(q . k * scale + mask) v for each query row of a few-row block, head by head, as SDPA computes it.
-// SmolLM2's heads at 4 rows over 300 slots, 2 threads (2026-11-27, Xeon): SDPA's flash kernel for CPU 43-48 us
-// a call, this one 25-28 us (at 9 rows 71 against 54, at 1 row 33-37 against 11).
+// Faster than SDPA's flash kernel for CPU at the few rows of a verify block, slower at one row or past about
+// eight (docs/benchmarks.md, "Measurements behind the CPU engine's design"); the lean forward calls it where it wins.
 // qkv: [B*N, width] with q's heads first, each D wide; keys, values: [B, KVH, S, D] with D contiguous; mask:
 // [B, 1, N, S] additive fp32. Query head h reads K/V head h / (heads / KVH). Returns
 // [B*N, heads*D], the layout the o projection reads. A row whose every slot is masked gets zeros.
@@ -843,7 +842,7 @@ torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& 
 
 // Weights that share an input and write side by side (q/k/v, gate/up) or one alone, as few_rows_linear_cat takes
 // them: fp32, or int8 rows with their scales; biases and scales one (or None) per weight, or empty. Made once per
-// layer by the lean forward (infer/lean_forward.py), so a layer's call passes four of these, not twelve lists.
+// layer by the lean forward (infer/cpu/lean_forward.py), so a layer's call passes four of these, not twelve lists.
 struct Linears {
   std::vector<torch::Tensor> weights;
   std::vector<c10::optional<torch::Tensor>> biases, scales, lows;

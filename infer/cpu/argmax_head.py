@@ -2,8 +2,8 @@
 the fp32 rows score them.
 
 A greedy verify needs, at every tree node, only the argmax of the target's logits. On SmolLM2-135M the LM
-head (49,152 x 576, tied to the embedding) is 113 MB of the 538 MB a forward streams, about 4-5 ms of a
-30 ms verify on the project's 2-core CPU. `ArgmaxHead` holds the head as int8 rows with one scale each
+head (49,152 x 576, tied to the embedding) is 113 MB of the 538 MB a forward streams, a fifth of a verify's
+reading. `ArgmaxHead` holds the head as int8 rows with one scale each
 (28 MB) and, for every row of hidden states x, proves which tokens could still be the argmax:
 
     |approx_j - logit_j| <= ||x|| * rho_j
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import cpu_linear
+from . import linear
 
 _U = 2.0 ** -24  # fp32 unit roundoff
 # Covers the fp32 rounding of ||x||, of ||x|| * rho and of the sums and differences in the candidate test
@@ -39,19 +39,19 @@ FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the 
 class ArgmaxHead:
     """An LM head `weight` [V, K] for greedy tokens: `logits(x, bias)` is exact at every token that could be
     the argmax and -inf elsewhere. Holds a reference to `weight` and an int8 copy of it (a quarter of its
-    bytes); make a new one if the weight changes (the engine keeps it in its `cpu_linear.PackCache`, which
+    bytes); make a new one if the weight changes (the engine keeps it in its `linear.PackCache`, which
     does)."""
 
     def __init__(self, weight: torch.Tensor, kernel=None):
-        """`kernel`: a build of selfspec's CPU kernel (default: this machine's, `cpu_linear.streamed_kernel`)."""
+        """`kernel`: a build of selfspec's CPU kernel (default: this machine's, `linear.streamed_kernel`)."""
         if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
             raise ValueError(f"ArgmaxHead needs an fp32 CPU weight [V, K], got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
-        self.kernel = cpu_linear.streamed_kernel() if kernel is None else kernel
+        self.kernel = linear.streamed_kernel() if kernel is None else kernel
         if self.kernel is None:
             raise ValueError("ArgmaxHead needs selfspec's CPU kernel, which could not be built here")
         self.weight = weight
-        self.q, self.scale = cpu_linear.int8_rows(weight.detach())  # [V, K] int8, [V]
+        self.q, self.scale = linear.int8_rows(weight.detach())  # [V, K] int8, [V]
         with torch.no_grad():
             w = weight.detach().double()  # [V, K]
             approx = self.q.double() * self.scale.double()[:, None]  # w^ exactly: int8 times fp32 fits float64

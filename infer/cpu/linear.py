@@ -2,11 +2,10 @@
 
 A decode step multiplies every weight matrix by ONE row, which CPU BLAS runs as a streaming GEMV. A
 verify step multiplies it by the 4-16 rows of a draft tree, and there `F.linear` switches to a GEMM that
-repacks the weight on every call: on SmolLM2-135M (fp32, one EPYC core) a forward over 2-8 tokens costs
-1.6-1.9x a one-token forward, which eats most of what speculation gains (scripts/forward_cost.py).
-Packing each weight once into oneDNN's blocked layout (what torch.compile's CPU freezing does) brings an
-8-token forward to about 1.1x on one thread, and below a plain one-token forward on two, where the packed
-GEMM uses both cores and the stock GEMV does not (docs/benchmarks.md).
+repacks the weight on every call: a forward over a few tokens then costs nearly twice a one-token forward,
+which eats most of what speculation gains. Packing each weight once into oneDNN's blocked layout (what
+torch.compile's CPU freezing does) brings it close to a one-token forward, and below it on two threads, where the
+packed GEMM uses both cores and the stock GEMV does not (docs/benchmarks.md; `scripts/forward_cost.py` measures it).
 
 `prepacked_linears(model, cache=...)` switches a model's `nn.Linear` layers to the packed weights for
 inputs of 2+ rows while it is active, and back afterwards; one-row calls keep the GEMV. The packed copies
@@ -14,14 +13,13 @@ live in a `PackCache` the caller owns (SelfSpecModel keeps one), keyed weakly by
 repacked if a weight changes: nothing is left on the user's modules, which stay deep-copyable and savable.
 The cost is a second copy of the linear weights in RAM while the cache lives.
 
-On some CPUs oneDNN's packed GEMM is itself the slow part: on a 2-core Intel Xeon with AVX-512
-(SmolLM2-135M, fp32, 2 threads) the 211 linears of one forward take 20 ms for one row (the GEMV, at the
-memory floor) but 29-35 ms for 2-8 rows packed, and 22-46 ms with the stock GEMM. `few_rows_linear`
-(infer/kernels/few_rows_linear.cpp, compiled on first use with the machine's own instruction set) streams
-each weight row once with software prefetch and takes 21/23/29 ms for 2/4/8 rows there. Which one wins
+On some CPUs oneDNN's packed GEMM is itself the slow part, well above the one-row GEMV's memory floor at 2-8
+rows. `few_rows_linear` (infer/cpu/kernels/few_rows_linear.cpp, compiled on first use with the machine's own
+instruction set) streams each weight row once with software prefetch and stays near that floor there
+(docs/benchmarks.md). Which one wins
 is the machine's business, so `prepacked_linears(stream_rows=n)` sends blocks of 2..n rows to it and larger
-ones to oneDNN, and `infer.calibrate.stream_rows` measures n once per machine and target shape. The same
-extension serves `infer.lean_forward`, the verify forward of Llama-layout targets without transformers'
+ones to oneDNN, and `infer.tuning.plan.stream_rows` measures n once per machine and target shape. The same
+extension serves `infer.cpu.lean_forward`, the verify forward of Llama-layout targets without transformers'
 module machinery, with two more functions (several weights in one pass, RMSNorm).
 """
 
@@ -63,7 +61,7 @@ def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
 
 
 class PackCache:
-    """Copies derived from weight tensors (oneDNN's packed layout, `infer.argmax_head.ArgmaxHead`'s int8 head),
+    """Copies derived from weight tensors (oneDNN's packed layout, `infer.cpu.argmax_head.ArgmaxHead`'s int8 head),
     keyed by the tensor's identity and the kind of copy, remade when the tensor changes in place and dropped
     when it is freed."""
 
@@ -182,7 +180,7 @@ def build_kernel(extra_cflags: tuple[str, ...] = ()):
     code on an AVX-512 machine, as tests build it); cached under a name that hashes them too."""
     from torch.utils.cpp_extension import load
 
-    from .embedded import cache_dir
+    from ..embedded import cache_dir
 
     source = KERNEL_SOURCE.read_bytes()
     flags = ["-O3", "-march=native", *extra_cflags, "-fopenmp"]
@@ -377,8 +375,8 @@ class Int8Linear(nn.Module):
     fp32 inputs of up to `KERNEL_ROWS` rows (a draft token, a catch-up block) run on the streamed kernel's
     int8 rows (fp32 products and sums, the int8 weight read once). Other inputs run torch's CPU int8
     weight-only kernel with bfloat16 activations (one scale a row; grouped weights multiply their dequantized fp32
-    weight): on the 2-core Xeon it took 19.0 ms for SmolLM2's linears at one row, the streamed kernel 8.5 ms, and
-    its bf16 activations move the drafts further from the target's."""
+    weight), more than twice the streamed kernel's time at one row, and its bf16 activations move the drafts further
+    from the target's."""
 
     KERNEL_ROWS = 16
 

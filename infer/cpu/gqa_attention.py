@@ -3,8 +3,7 @@
 Given a mask (a verify step always passes its tree mask) and grouped K/V heads (GQA: SmolLM2-135M has 9
 query heads over 3 K/V heads), transformers' `sdpa` attention repeats K and V once per query head before
 calling torch's kernel, because CUDA's fused kernels do not take GQA together with a mask. On a CPU that is a
-copy of the whole cache, per layer, per verify step: 3.6 ms of a 50 ms SmolLM2-135M verify forward over 8
-nodes (2 threads, docs/benchmarks.md). torch's CPU kernel takes the grouped heads as they are
+copy of the whole cache, per layer, per verify step (docs/benchmarks.md has its cost). torch's CPU kernel takes the grouped heads as they are
 (`enable_gqa=True`), so during `SelfSpecModel.generate` an `sdpa` target on CPU runs `cpu_gqa_sdpa`,
 registered with transformers' attention interfaces under `NAME`; every other case goes to transformers' own
 `sdpa` function unchanged. The user's setting is restored after the call.
