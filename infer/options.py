@@ -57,10 +57,10 @@ class EngineOptions:
     `DraftTree`, the `infer.verify.Acceptance` and the [B] depth budget the tree was cut to (live rows only), e.g.
     to count which nodes are accepted (`infer.tuning.acceptance.AcceptanceRecorder`); None costs nothing.
 
-    `lean_verify`: run the target's prefill and verify forwards as `infer.cpu.lean_forward.LeanForward` computes them (the same
-    function in fewer, larger ops, on the user's weights as they are) instead of through the model's modules.
-    None = wherever it can: with `cpu_prepack` on a Llama-layout target (`infer.cpu.lean_forward.why_not`, checked again at
-    every call), not compiled, and no forward hook of the user's on the target at the call (hooks then see every
+    `lean_verify`: run the target's prefill and verify forwards as `infer.cpu.lean_forward.LeanForward` computes
+    them (the same function in fewer, larger ops, on the user's weights as they are) instead of through the model's
+    modules. None = wherever it can: with `cpu_prepack` on a Llama-layout target (`infer.cpu.lean_forward.why_not`,
+    checked again at every call), not compiled, and no forward hook of the user's on the target at the call (hooks then see every
     forward). True where it cannot is an error; False = never. `last_stats["verify_forward"]` says which ran.
     Unless False, an EAGLE-3 drafter's forwards run the same way where they can (`heads.eagle3.lean.LeanEagle3`:
     widened q/k/v over a Llama-layout layer, fp32 on CPU, no hook of the user's on the drafter).
