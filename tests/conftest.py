@@ -106,7 +106,9 @@ def smollm2():
     from infer.embedded import resolve_target
 
     threads = torch.get_num_threads()
-    torch.set_num_threads(os.cpu_count() or 1)  # the one-thread pin above is for the tiny models
+    # the one-thread pin above is for the tiny models; the real target shares the cores with the other workers
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     model, tokenizer = resolve_target("smollm2-135m-instruct")
     tokenizer.padding_side = "left"
     yield model, tokenizer
@@ -118,3 +120,11 @@ def chat(tokenizer, texts: list[str]):
     rendered = [tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False,
                                               add_generation_prompt=True) for t in texts]
     return tokenizer(rendered, return_tensors="pt", padding=True, add_special_tokens=False)
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test on the real SmolLM2 target is `slow` whether or not its author marked it: `make test` (the fast
+    tier) leaves it to `make test-slow`, which CI runs too."""
+    for item in items:
+        if "smollm2" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.slow)
