@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -21,6 +22,8 @@ from .kinds import ExportFormat
 from .layers import arch_classes
 from .medusa import MedusaConfig, MedusaModel
 
+MASK_EMBEDDING_FILE = "mask_embedding.pt"
+EXPORT_FILES = ("config.json", "model.safetensors", MASK_EMBEDDING_FILE)  # all an export of ours writes
 SPECULATORS_VERSION = "0.2.0"  # the speculators format generation these configs follow (see docs/export.md)
 
 # The decoder-layer weights of a speculators EAGLE-3 layer ("layers.0." + name), Llama names.
@@ -44,8 +47,41 @@ def _read_folder(path_or_id, **hub_kwargs) -> tuple[dict, dict[str, torch.Tensor
     return config, load_file(check_weights_file(path_or_id, **hub_kwargs))
 
 
+def check_out_dir(out_dir) -> None:
+    """Refuse, before anything is written, a folder where an export would overwrite or mix with files of the
+    user's: one that is not empty, unless it holds an earlier export of ours and nothing else (which an export
+    replaces). A model's own folder (the target's, the drafter's) is never one."""
+    path = Path(out_dir)
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"export folder {path} is a file; choose an empty or new folder")
+    names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+    if not names or _earlier_export(path, names):
+        return
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    raise ValueError(f"export folder {path} is not empty ({shown}) and holds no earlier export of selfspec's: "
+                     f"exporting writes {', '.join(EXPORT_FILES[:2])} there, over or beside these files; choose an "
+                     "empty or new folder")
+
+
+def _earlier_export(path: Path, names: list[str]) -> bool:
+    """Whether the folder holds only the files an export writes, its config one of ours (our `selfspec` block
+    in a format we export)."""
+    if "config.json" not in names or not set(names) <= set(EXPORT_FILES):
+        return False
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return (isinstance(config, dict) and isinstance(config.get("selfspec"), dict)
+            and any(fmt.recognizes(config) for fmt in (SPECULATORS, VLLM_MEDUSA, DFLASH)))
+
+
 def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    check_out_dir(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    stale = Path(out_dir, MASK_EMBEDDING_FILE)  # an earlier DFlash export's; export_dflash writes its own anew
+    if stale.exists():
+        stale.unlink()
     with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, sort_keys=True)
     save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
@@ -256,7 +292,6 @@ def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
 
 # ---- DFlash (z-lab's layout, vLLM's DFlashDraftModel) -----------------------------------------------------
 
-MASK_EMBEDDING_FILE = "mask_embedding.pt"
 
 
 def export_dflash(model: DFlashModel, out_dir, mask_token_id: int | None = None) -> str:

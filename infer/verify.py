@@ -7,6 +7,12 @@ min(1, p(x)/q(x)), and on rejection p becomes normalize(max(0, p - q)) for the n
 drafts (top-k, lookup) are the q = one-hot case: accept with p(x), else zero p(x) and renormalize. If
 every child is rejected, the bonus token is sampled from what is left of p. This keeps the output
 distribution exactly the target's.
+
+A tree of deterministic drafts only (no q) is accepted in an equivalent way that draws no differently from
+decoding without drafts: at each node the target samples its own token from p, one draw a token, and the
+child that drafted it, if any, is kept. A child x is then kept with probability p(x) and the bonus follows p
+without the children, as above; and the tokens are those the same draws give with no drafts at all, so a
+seeded sample never depends on what such a drafter proposed (suffix's earlier responses, a lookup's matches).
 """
 
 from __future__ import annotations
@@ -68,6 +74,8 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
                    generator: torch.Generator | None = None) -> Acceptance:
     """Lossless rejection sampling over the tree (see module docstring)."""
     probs = logits_to_probs(logits, params)  # [B, N, V]
+    if tree.q is None:
+        return _accept_deterministic(tree, probs, ancestors, generator)
     b = probs.shape[0]
     ends, bonus = [], []
     for row in range(b):
@@ -98,6 +106,28 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
                 break
             node = accepted
     acc = _path_to(torch.tensor(ends, device=logits.device), ancestors)
+    acc.bonus = torch.cat(bonus)
+    return acc
+
+
+def _accept_deterministic(tree: DraftTree, probs: torch.Tensor, ancestors: torch.Tensor,
+                          generator: torch.Generator | None) -> Acceptance:
+    """Deterministic drafts: the target's own sample at each node, the child that drafted it kept (see module
+    docstring). probs: [B, N, V]"""
+    ends, bonus = [], []
+    for row in range(probs.shape[0]):
+        kids = _children(tree, row)
+        tokens = tree.tokens[row].tolist()
+        node = 0
+        while True:
+            token = sample(probs[row, node], generator)
+            child = next((c for c in kids[node] if tokens[c] == int(token)), None)
+            if child is None:
+                bonus.append(token[None])
+                ends.append(node)
+                break
+            node = child
+    acc = _path_to(torch.tensor(ends, device=probs.device), ancestors)
     acc.bonus = torch.cat(bonus)
     return acc
 

@@ -47,6 +47,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import math
 import os
 import platform
 import statistics
@@ -757,7 +758,67 @@ def report_mismatches(result: dict) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def main(argv=None) -> int:
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {value}")
+        return value
+    return parse
+
+
+def number_in(low: float, high: float | None = None, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, ...] with `open_low`; no upper bound: None)."""
+    span = (f"in {'(' if open_low else '['}{low:g}, {high:g}]" if high is not None
+            else f"{'>' if open_low else '>='} {low:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text!r}") from None
+        above = low < value if open_low else low <= value
+        if not (math.isfinite(value) and above and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {span}, got {text}")
+        return value
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse type: a device torch knows the name of (cpu, cuda, cuda:1, mps, ...)."""
+    try:
+        where = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; write cpu, cuda or cuda:<index>") from None
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                                         "write cpu, or an index below that")
+    return text
+
+
+def check_drafter_spec(spec: str) -> None:
+    """Refuse, before any model loads, a --drafter that is no named drafter, draft model, folder or hub id."""
+    from infer.drafters import DRAFTERS, known
+
+    base = spec
+    while base.endswith(SUFFIXES):
+        base = base[: -len(next(s for s in SUFFIXES if base.endswith(s)))]
+    if base.partition(":")[0] in DRAFTERS or base.startswith("draft-model:") or "/" in base or Path(base).exists():
+        return
+    import heads
+
+    if base in heads.shipped_drafters():
+        return
+    raise ValueError(f"--drafter {spec!r}: unknown drafter {base!r}; the named drafters are: {known()}; or a saved "
+                     f"drafter folder, a shipped drafter ({', '.join(heads.shipped_drafters()) or 'none'}), "
+                     "draft-model:<path or hub id>, or a hub id (owner/name)")
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
@@ -772,28 +833,28 @@ def main(argv=None) -> int:
                              f"whole fp32 LM head in a greedy verify) and/or {FP32_DRAFT_SUFFIX!r} (drafting "
                              "from the drafter's fp32 weights, not int8 copies); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--repeats", type=int, default=1, help="timed runs per question and method (median)")
-    parser.add_argument("--turns", type=int, default=1, help="how many turns of each question to run")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    parser.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per question and method (median)")
+    parser.add_argument("--turns", type=at_least(1), default=1, help="how many turns of each question to run")
     parser.add_argument("--second-turns", action="store_true",
                         help="MT-bench second turns only: the first turn is answered by the baseline (untimed) "
                              "and is part of the timed second turn's prompt")
-    parser.add_argument("--passes", type=int, default=1,
+    parser.add_argument("--passes", type=at_least(1), default=1,
                         help="run the question list this many times in a row; 2 = the repeated-request workload")
-    parser.add_argument("--limit", type=int, default=0, help="first N questions only (0 = all)")
+    parser.add_argument("--limit", type=at_least(0), default=0, help="first N questions only (0 = all)")
     parser.add_argument("--categories", nargs="*", default=None)
-    parser.add_argument("--per-category", type=int, default=0, help="first N questions of each category (0 = all)")
+    parser.add_argument("--per-category", type=at_least(0), default=0, help="first N questions of each category (0 = all)")
     parser.add_argument("--tree", default=None,
                         help="override trained drafters' tree settings, e.g. depth=4,top_k=4,total_tokens=16")
-    parser.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the PLD baseline")
+    parser.add_argument("--pld-tokens", type=at_least(1), default=10, help="prompt_lookup_num_tokens for the PLD baseline")
     parser.add_argument("--no-pld", action="store_true", help="skip the transformers prompt-lookup baseline")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all logical CPUs)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--device", default="cpu", help="where the target and drafters run, e.g. cuda")
-    parser.add_argument("--oracle", action="append", type=float, default=[], metavar="ALPHA",
+    parser.add_argument("--device", type=device, default="cpu", help="where the target and drafters run, e.g. cuda")
+    parser.add_argument("--oracle", action="append", type=number_in(0, 1), default=[], metavar="ALPHA",
                         help="a row drafting the baseline's own answer, each token wrong with probability "
                              "1 - ALPHA (chains of --oracle-depth): engine cost against the ideal; repeatable")
-    parser.add_argument("--oracle-depth", type=int, default=8, help="chain length of --oracle rows")
+    parser.add_argument("--oracle-depth", type=at_least(1), default=8, help="chain length of --oracle rows")
     parser.add_argument("--oracle-static", action="store_true",
                         help="each --oracle row also with the static KV cache (oracle:ALPHA+static)")
     parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
@@ -801,9 +862,9 @@ def main(argv=None) -> int:
                              "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
     parser.add_argument("--sample", action="store_true",
                         help="time sampled generation (transformers' sampling as the baseline), not greedy")
-    parser.add_argument("--temperature", type=float, default=0.7, help="with --sample")
-    parser.add_argument("--top-p", type=float, default=0.9, help="with --sample (1 = no nucleus filter)")
-    parser.add_argument("--top-k", type=int, default=0, help="with --sample (0 = no top-k filter)")
+    parser.add_argument("--temperature", type=number_in(0, open_low=True), default=0.7, help="with --sample")
+    parser.add_argument("--top-p", type=number_in(0, 1, open_low=True), default=0.9, help="with --sample (1 = no nucleus filter)")
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="with --sample (0 = no top-k filter)")
     parser.add_argument("--seed", type=int, default=0, help="with --sample: the first generation's torch seed")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 if any selfspec or transformers greedy output differs")
@@ -811,6 +872,11 @@ def main(argv=None) -> int:
     parser.add_argument("--resume", action="store_true",
                         help="keep the questions an interrupted run with the same methods wrote to --out's "
                              "records.jsonl and measure only the rest")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
 
     from infer.embedded import resolve_target
@@ -820,6 +886,9 @@ def main(argv=None) -> int:
     questions = load_questions(args.questions, args.limit, args.categories, args.per_category)
     if not questions:
         parser.error("no questions selected")
+    tree = parse_tree(args.tree)
+    for spec in args.drafter:
+        check_drafter_spec(spec)
     sampling = None
     if args.sample:
         if args.oracle:
@@ -831,7 +900,7 @@ def main(argv=None) -> int:
     if not args.no_pld:
         methods.append(hf_method(target, PLD, sampling, prompt_lookup_num_tokens=args.pld_tokens))
     for spec in args.drafter:
-        methods.append(drafter_method(spec, target, parse_tree(args.tree), sampling))
+        methods.append(drafter_method(spec, target, tree, sampling))
     methods += [oracle_method(target, alpha, args.oracle_depth) for alpha in args.oracle]
     if args.oracle_static:
         methods += [oracle_method(target, alpha, args.oracle_depth, static_cache=True) for alpha in args.oracle]

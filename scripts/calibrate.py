@@ -47,6 +47,16 @@ def main(argv=None) -> int:
     parser.add_argument("--write", action="store_true",
                         help="store the chosen tree and the statistics in the drafter's config.json")
     args = parser.parse_args(argv)
+    lowest = {"limit": 0, "max_new_tokens": 1, "top_k": 1, "depth": 1, "wide": 1, "max_nodes": 1, "context": 1,
+              "repeats": 1, "threads": 0}
+    for flag, low in lowest.items():
+        given = getattr(args, flag)
+        for value in given if isinstance(given, list) else [given]:  # --top-k repeats
+            if value is not None and value < low:
+                parser.error(f"argument --{flag.replace('_', '-')}: must be >= {low}, got {value}")
+    if args.max_nodes > args.wide:
+        parser.error(f"argument --max-nodes: must be <= --wide ({args.wide}): candidate trees are subsets of the "
+                     f"measured one; got {args.max_nodes}")
 
     import heads
     from infer.calibrate import choose, encode_prompts, load_prompts

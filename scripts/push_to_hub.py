@@ -43,11 +43,39 @@ def check_args(args, drafter_dir: Path) -> None:
         validate_repo_id(args.repo_id)
     except HFValidationError as err:
         raise ValueError(f"--repo-id {args.repo_id!r} is not a Hub repo id (owner/name): {err}") from None
+    if args.bench is not None and not args.bench.is_file():
+        raise FileNotFoundError(f"--bench {args.bench}: no such file; pass the results.json scripts/bench.py wrote, "
+                                "or leave --bench out")
     if args.stage_dir is not None:
         stage, source = args.stage_dir.resolve(), drafter_dir.resolve()
         if stage == source or source in stage.parents or stage in source.parents:
             raise ValueError(f"--stage-dir {args.stage_dir} overlaps the drafter folder {drafter_dir}: staging "
                              "re-saves the drafter there and would rewrite its files; pick a separate folder")
+        check_stage_dir(args.stage_dir)
+
+
+STAGED_FILES = {"config.json", "model.safetensors", "README.md"}  # what staging writes
+
+
+def check_stage_dir(stage: Path) -> None:
+    """Staging writes over STAGED_FILES: refuse a folder holding anything but an earlier staging (a saved
+    selfspec drafter and nothing else), so no file of the user's is overwritten."""
+    if stage.exists() and not stage.is_dir():
+        raise ValueError(f"--stage-dir {stage} is a file; choose an empty or new folder")
+    names = {p.name for p in stage.iterdir()} if stage.is_dir() else set()
+    if not names:
+        return
+    try:
+        model_type = json.loads((stage / "config.json").read_text(encoding="utf-8")).get("model_type", "")
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        model_type = ""
+    import heads
+
+    if names <= STAGED_FILES and model_type in {kind.config_cls.model_type for kind in heads.REGISTRY.values()}:
+        return
+    raise ValueError(f"--stage-dir {stage} is not empty ({', '.join(sorted(names)[:6])}) and holds no earlier staging "
+                     f"of a drafter: staging writes {', '.join(sorted(STAGED_FILES))} there, over or beside these "
+                     "files; choose an empty or new folder")
 
 
 def measured_metrics(bench_file: Path, method: str | None) -> dict | None:

@@ -71,7 +71,14 @@ def parse_args(argv=None) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--log", type=Path, help="vLLM's output (default: runs/serve/vllm-<port>.log)")
     p.add_argument("--startup-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--dry-run", action="store_true", help="export and print the vLLM command, start nothing")
-    return p.parse_args(argv), extra
+    args = p.parse_args(argv)
+    if not 0 < args.port < 65536:
+        p.error(f"argument --port: must be in 1..65535, got {args.port}")
+    if args.num_speculative_tokens is not None and args.num_speculative_tokens < 1:
+        p.error(f"argument --num-speculative-tokens: must be >= 1, got {args.num_speculative_tokens}")
+    if not 0 < args.startup_timeout < float("inf"):  # NaN fails too: it would never time out
+        p.error(f"argument --startup-timeout: must be a finite number of seconds > 0, got {args.startup_timeout}")
+    return args, extra
 
 
 # ---- checks made before anything starts ---------------------------------------------------------------------
@@ -160,6 +167,16 @@ def target_for_vllm(name: str) -> str:
     return str(embedded_folder()) if name.lower() == EMBEDDED_NAME else name
 
 
+def check_export_dir(out: Path) -> None:
+    """The export goes to an empty or new folder, or over an earlier export of ours: never over a user's files."""
+    from heads.export import check_out_dir
+
+    try:
+        check_out_dir(out)
+    except ValueError as err:
+        raise ServeError(f"{err} (--export-dir)") from None
+
+
 def export_drafter(drafter, fmt, target_name: str, out: Path) -> str:
     if fmt.needs_target(drafter):  # e.g. Medusa heads sharing the target's lm_head write a copy of it
         from infer.embedded import resolve_target
@@ -176,7 +193,7 @@ def speculation(args) -> tuple[str, str, dict, str]:
         if not args.target:
             raise ServeError(f"{args.drafter!r} needs --target (the model to serve)")
         spec = {"method": args.drafter, **DRAFTERLESS[args.drafter]}
-        if args.num_speculative_tokens:
+        if args.num_speculative_tokens is not None:
             spec["num_speculative_tokens"] = args.num_speculative_tokens
         return target_for_vllm(args.target), args.target, {**spec, **options}, f"vLLM's {args.drafter} drafting"
     drafter = load_drafter(args.drafter)
@@ -185,9 +202,11 @@ def speculation(args) -> tuple[str, str, dict, str]:
     if not target:
         raise ServeError(f"{args.drafter} records no target (base_model_name_or_path); pass --target")
     out = args.export_dir or Path(f"{Path(args.drafter).resolve()}-{fmt.name}")
+    check_export_dir(out)
     exported = export_drafter(drafter, fmt, target, out)
     spec = {"method": fmt.vllm_method, "model": str(Path(exported).resolve()),
-            "num_speculative_tokens": args.num_speculative_tokens or tree_depth(drafter.config)}
+            "num_speculative_tokens": (tree_depth(drafter.config) if args.num_speculative_tokens is None
+                                       else args.num_speculative_tokens)}
     return target_for_vllm(target), target, {**spec, **options}, f"{fmt.description} export {exported}"
 
 

@@ -7,7 +7,9 @@ test_bad_inputs_train.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import sys
 from pathlib import Path
 
@@ -52,6 +54,38 @@ def damaged_drafter(tmp: Path, target) -> Path:
     return folder
 
 
+def cli(name: str, *argv) -> None:
+    """A script's command line; what it refuses (argparse's exit 2, or a nonzero return) is raised as a
+    ValueError holding what it printed."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            code = script(name).main([str(a) for a in argv])
+        except SystemExit as stop:
+            code = stop.code
+    if code:
+        raise ValueError(err.getvalue())
+
+
+def bench_cli(tmp: Path, *argv) -> None:
+    """scripts/bench.py on a question file of one question and a target that is not there (never loaded)."""
+    cli("bench", "--questions", questions(tmp, '{"question_id": 1, "category": "a", "turns": ["x"]}\n'),
+        "--target", tmp / "no-target", *argv)
+
+
+def saved_drafter(tmp: Path, target) -> Path:
+    import heads
+
+    heads.build("medusa", target).save_pretrained(tmp / "drafter")
+    return tmp / "drafter"
+
+
+def user_folder(tmp: Path) -> Path:
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "config.json").write_text("{}")
+    return tmp / "mine"
+
+
 def bench_result(tmp: Path, text: str) -> Path:
     path = tmp / "results.json"
     path.write_text(text)
@@ -70,7 +104,7 @@ def gen(target, ids=IDS, **kwargs):
 ROWS = [
     # ---- building a SelfSpecModel
     ("target is not a model", lambda t: SelfSpecModel("llama", "ngram"), TypeError, "target must be a transformers causal LM"),
-    ("unknown drafter name", lambda t: SelfSpecModel(t, "hydra"), ValueError, "unknown drafter 'hydra'; the named drafters are: ngram, gguf"),
+    ("unknown drafter name", lambda t: SelfSpecModel(t, "hydra"), ValueError, "unknown drafter 'hydra'; the named drafters are: ngram[:<longest n-gram>], gguf"),
     ("drafter of a wrong type", lambda t: SelfSpecModel(t, 3), TypeError, "cannot draft with a int"),
     ("early_exit without a layer count", lambda t: SelfSpecModel(t, "early_exit"), ValueError, "write early_exit:<layers>"),
     ("early_exit with a word", lambda t: SelfSpecModel(t, "early_exit:half"), ValueError, "write early_exit:<layers>"),
@@ -78,6 +112,11 @@ ROWS = [
     ("early_exit of zero layers", lambda t: SelfSpecModel(t, "early_exit:0"), ValueError, "must keep between 1 and 3"),
     ("bf16 with an argument", lambda t: SelfSpecModel(t, "bf16:fast"), ValueError, "'bf16' takes no argument"),
     ("int8 with an argument", lambda t: SelfSpecModel(t, "int8:4"), ValueError, "'int8' takes no argument"),
+    ("none with an argument", lambda t: SelfSpecModel(t, "none:3"), ValueError, "'none' takes no argument"),
+    ("ngram with a word", lambda t: SelfSpecModel(t, "ngram:long"), ValueError, "write ngram or ngram:<longest n-gram>"),
+    ("ngram of zero tokens", lambda t: SelfSpecModel(t, "ngram:0"), ValueError, "a whole number >= 1"),
+    ("a drafter name ending in ':'", lambda t: SelfSpecModel(t, "bf16:"), ValueError, "has nothing after ':'; write bf16"),
+    ("gguf file missing, with ~", lambda t: SelfSpecModel(t, "gguf:~/no-such-selfspec.gguf"), FileNotFoundError, "no GGUF file at /"),
     ("int4 with an argument", lambda t: SelfSpecModel(t, "int4:g64"), ValueError, "'int4' takes no argument"),
     ("layerskip with a word", lambda t: SelfSpecModel(t, "layerskip:half"), ValueError, "write layerskip (chosen per request) or layerskip:<fraction"),
     ("layerskip skipping everything", lambda t: SelfSpecModel(t, "layerskip:1"), ValueError, "a fraction in (0, 1)"),
@@ -176,6 +215,26 @@ ROWS = [
     ("question without turns", lambda t, tmp: script("bench").load_questions(questions(tmp, '{"question_id": 1, "category": "a"}\n')), ValueError, "question lacks ['turns']"),
     ("bench results that are not JSON", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, "{oops"), None), ValueError, "is not valid JSON"),
     ("bench results of another shape", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, '{"methods": []}'), None), ValueError, "is not a scripts/bench.py results.json"),
+    # ---- script flags: refused by name before any model loads
+    ("bench: a misspelt drafter name", lambda t, tmp: bench_cli(tmp, "--drafter", "ngarm"), ValueError, "unknown drafter 'ngarm'; the named drafters are: ngram"),
+    ("bench: no repeats", lambda t, tmp: bench_cli(tmp, "--repeats", "0"), ValueError, "argument --repeats: must be a whole number >= 1, got 0"),
+    ("bench: no new tokens", lambda t, tmp: bench_cli(tmp, "--max-new-tokens", "0"), ValueError, "argument --max-new-tokens: must be a whole number >= 1"),
+    ("bench: a negative limit", lambda t, tmp: bench_cli(tmp, "--limit", "-1"), ValueError, "argument --limit: must be a whole number >= 0"),
+    ("bench: prompt lookup of no tokens", lambda t, tmp: bench_cli(tmp, "--pld-tokens", "0"), ValueError, "argument --pld-tokens: must be a whole number >= 1"),
+    ("bench: negative threads", lambda t, tmp: bench_cli(tmp, "--threads", "-1"), ValueError, "argument --threads: must be a whole number >= 0"),
+    ("bench: temperature NaN", lambda t, tmp: bench_cli(tmp, "--sample", "--temperature", "nan"), ValueError, "argument --temperature: must be a finite number > 0, got nan"),
+    ("bench: top-p above one", lambda t, tmp: bench_cli(tmp, "--sample", "--top-p", "1.5"), ValueError, "argument --top-p: must be a finite number in (0, 1]"),
+    ("bench: oracle alpha above one", lambda t, tmp: bench_cli(tmp, "--oracle", "1.5"), ValueError, "argument --oracle: must be a finite number in [0, 1]"),
+    ("bench: a device torch does not know", lambda t, tmp: bench_cli(tmp, "--device", "gpu0"), ValueError, "argument --device: 'gpu0' is not a torch device"),
+    ("serve: port zero", lambda t, tmp: cli("serve", tmp / "drafter", "--dry-run", "--port", "0"), ValueError, "argument --port: must be in 1..65535, got 0"),
+    ("serve: no speculative tokens", lambda t, tmp: cli("serve", "ngram", "--target", "x", "--dry-run", "--num-speculative-tokens", "0"), ValueError, "argument --num-speculative-tokens: must be >= 1"),
+    ("serve: start-up timeout NaN", lambda t, tmp: cli("serve", "ngram", "--target", "x", "--dry-run", "--startup-timeout", "nan"), ValueError, "argument --startup-timeout: must be a finite number of seconds > 0"),
+    ("serve: export into a folder of the user's", lambda t, tmp: cli("serve", saved_drafter(tmp, t), "--target", "x", "--dry-run", "--export-dir", user_folder(tmp)), ValueError, "is not empty (config.json) and holds no earlier export"),
+    ("calibrate: no repeats", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--repeats", "0"), ValueError, "argument --repeats: must be >= 1, got 0"),
+    ("calibrate: context of no tokens", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--context", "0"), ValueError, "argument --context: must be >= 1"),
+    ("calibrate: more nodes than measured", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--wide", "8", "--max-nodes", "9"), ValueError, "argument --max-nodes: must be <= --wide (8)"),
+    ("push_to_hub: bench file missing", lambda t, tmp: script("push_to_hub").main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--bench", str(tmp / "none.json")]), FileNotFoundError, "--bench "),
+    ("push_to_hub: staging into a folder of the user's", lambda t, tmp: script("push_to_hub").main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(user_folder(tmp))]), ValueError, "holds no earlier staging of a drafter"),
 ]
 
 

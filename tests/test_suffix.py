@@ -160,7 +160,7 @@ def test_bad_settings_are_named(kwargs, error, match):
 
 
 @pytest.mark.parametrize("spec,match", [
-    ("suffix:", "write suffix, suffix:<drafter>"),
+    ("suffix:", "has nothing after ':'; write suffix"),
     ("suffix:hydra", "unknown drafter 'hydra'"),
     ("suffix:suffix", "must be another kind"),
 ])

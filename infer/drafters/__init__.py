@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..drafting import Drafter
-from . import gguf, layer_skip, lookahead, self_draft, staged
+from . import gguf, layer_skip, lookahead, ngram, none, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
@@ -35,8 +35,8 @@ def register(name: str, build: Callable, usage: str, when: str) -> None:
     DRAFTERS[name] = Entry(build, usage, when)
 
 
-register("ngram", lambda arg, target, tokenizer: NgramDrafter(),
-         "ngram", "no model at all: prompt lookup, for answers that copy from the prompt")
+register("ngram", ngram.from_spec, "ngram[:<longest n-gram>]",
+         "no model at all: prompt lookup, for answers that copy from the prompt")
 register("gguf", gguf.from_spec, "gguf[:<file.gguf>]",
          "a GGUF quantization of the target run by llama.cpp (default: the embedded target's own file)")
 register("int8", self_draft.int8, "int8",
@@ -54,7 +54,7 @@ register("staged", staged.from_spec, "staged:<drafter>+ngram",
          "prompt lookup guesses for a self-drafter, which confirms and extends the guess in one forward")
 register("lookahead", lookahead.from_spec, "lookahead[:<window>,<ngram>,<guesses>]",
          "no model: Jacobi iteration in the verify forward fills an n-gram pool (Fu et al. 2024)")
-register("none", lambda arg, target, tokenizer: NoDrafter(), "none",
+register("none", none.from_spec, "none",
          "no drafts: one token a target forward through selfspec's own forward, the baseline that tells its gain from "
          "drafting's")
 register("suffix", suffix_from_spec, "suffix[:<drafter>]",
@@ -73,6 +73,8 @@ def build_drafter(spec: str, target, tokenizer=None) -> Drafter:
         raise ValueError(f"unknown drafter {spec!r}; the named drafters are: {known()}; or pass a trained "
                          "drafter (heads.load(...)), a causal LM sharing the target's tokenizer, or an "
                          "infer.Drafter")
+    if sep and not arg.strip():
+        raise ValueError(f"drafter {spec!r} has nothing after ':'; write {entry.usage}")
     return entry.build(arg.strip() if sep else None, target, tokenizer)
 
 

@@ -24,10 +24,18 @@ calibration, a step drafts only if drafting steps have produced tokens faster th
 (`worth_drafting`). A drafter that does not pay on this machine (a shallow early exit, say) then costs a
 probe step in `PROBE`, not every step, and resumes drafting when probes show its acceptance has come back
 (a probe's drafting time, which includes catching up on the skipped tokens, does not count as draft cost).
+
+Under sampling, which tokens come out depends on what was drafted at each step (rejection sampling draws
+from the drafts), so draft lengths there must not follow the clock or what earlier calls left, or one seed
+would give another sample on every call. A sampled generation therefore gets a fresh `AdaptiveLength` with a
+modelled `cost`: a draft token costs that fraction of a verify step (the bytes of weights a draft forward
+reads over the target's, `forward_bytes`) and nothing is timed. The same rule then decides from acceptance
+alone, which is the same for the same seed.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -40,15 +48,20 @@ MEASURED = 16  # drafting steps judged before worth_drafting may say no (the cal
 class AdaptiveLength:
     """Per-generation state: calibration bins, cost averages and the chains drafted this step."""
 
-    def __init__(self, max_tokens: int, min_tokens: int = 1, decay: float = 0.995, prior: float = 2.0):
+    def __init__(self, max_tokens: int, min_tokens: int = 1, decay: float = 0.995, prior: float = 2.0,
+                 cost: float | None = None):
         if not 1 <= min_tokens <= max_tokens:
             raise ValueError(f"need 1 <= min_tokens <= max_tokens, got {min_tokens}, {max_tokens}")
+        if cost is not None and not (math.isfinite(cost) and cost > 0):
+            raise ValueError(f"cost must be a positive fraction of a verify step, got {cost}")
         self.max_tokens, self.min_tokens, self.decay, self.prior = max_tokens, min_tokens, decay, prior
+        self.cost = cost  # a draft token's modelled cost in verify steps; None: costs are timed
         self.kept = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of accepted drafts per bin
         self.seen = torch.zeros(BINS, dtype=torch.float64)  # decayed counts of judged drafts per bin
-        self.draft_cost = None  # seconds between consecutive drafted tokens (running average)
-        self.draft_time = None  # seconds of drafting per step, catch-up included (running average)
-        self.step_cost = None  # seconds per verify step, drafting excluded (running average)
+        # costs in seconds, or in verify steps where modelled (the rule only compares them with one another)
+        self.draft_cost = cost  # between consecutive drafted tokens (running average)
+        self.draft_time = None  # of drafting per step, catch-up included (running average)
+        self.step_cost = None if cost is None else 1.0  # per verify step, drafting excluded (running average)
         self.fit = torch.zeros(5, dtype=torch.float64)  # decayed sums 1, n, t, n*n, n*t of (drafts, verify s)
         self.tokens_per_step = None  # tokens emitted per step (running average)
         self._confidence: list[list[float]] = []  # per row, the confidences drafted this step
@@ -130,8 +143,14 @@ class AdaptiveLength:
 
     def drafted(self) -> None:
         """Drafting for this step is over (the engine verifies next)."""
-        now = time.perf_counter()
         n = max(len(c) for c in self._confidence) if self._confidence else 0
+        self._drafted_now = n
+        if self.cost is not None:  # modelled: n draft tokens, then one verify step
+            if n:
+                self.draft_time = _average(self.draft_time, n * self.cost)
+            self._proposed_at = 0.0
+            return
+        now = time.perf_counter()
         # a probe's drafting includes catching up on the skipped steps' tokens, an untimed step a compile:
         # neither is what drafting costs
         if n and not (self._probe or self._untimed):
@@ -144,7 +163,6 @@ class AdaptiveLength:
                 self.draft_cost = _average(self.draft_cost, sum(gaps) / len(gaps))
             elif self.draft_cost is None:
                 self.draft_cost = now - self._draft_started
-        self._drafted_now = n
         self._proposed_at = now
 
     # ------------------------------------------------------------------ after verification
@@ -153,7 +171,7 @@ class AdaptiveLength:
         if self._proposed_at is None:
             return
         self.judged_steps += 1
-        seconds = time.perf_counter() - self._proposed_at
+        seconds = 1.0 if self.cost is not None else time.perf_counter() - self._proposed_at
         self.step_cost = _average(self.step_cost, seconds)
         self._proposed_at = None
         n = float(self._drafted_now)
@@ -178,3 +196,19 @@ class AdaptiveLength:
 
 def _average(old: float | None, new: float, weight: float = 0.2) -> float:
     return new if old is None else (1 - weight) * old + weight * new
+
+
+def forward_bytes(model) -> int:
+    """Bytes of weights one forward of `model` reads: each parameter and buffer once, but not the input
+    embedding, of which a forward reads one row a token (unless the output layer reads it whole, tied)."""
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    skip = {id(embed.weight)} if embed is not None and getattr(head, "weight", None) is not embed.weight else set()
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()] if id(t) not in skip}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def modelled_cost(draft_bytes: int, target) -> float:
+    """A draft token's cost in verify steps, modelled as its bytes over the target's: decoding reads every
+    weight once a token, so on any machine the two scale alike."""
+    return max(draft_bytes / max(forward_bytes(target), 1), 1e-3)

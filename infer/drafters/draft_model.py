@@ -12,7 +12,7 @@ from ..kv import KVState, forward_block, prompt_tree
 from ..lean_forward import LeanForward, Unsupported
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
-from .adaptive import AdaptiveLength
+from .adaptive import AdaptiveLength, forward_bytes, modelled_cost
 from .chain import chain_tree
 
 
@@ -42,7 +42,11 @@ class DraftModelDrafter(Drafter):
         self.prompt_kv_from_target = prompt_kv_from_target
         self.decode = None  # the compiled one-token forward, once compile_forwards() is called
         self.compiled_rows: set[int] = set()  # batch sizes it has compiled a graph for
-        self.length = AdaptiveLength(num_tokens) if adaptive else None
+        self.adaptive = adaptive
+        # greedy calls share one timed calibration (their output never depends on it); a sampled call gets its
+        # own, modelled and fresh (`AdaptiveLength`'s docstring says why)
+        self.timed_length = AdaptiveLength(num_tokens) if adaptive else None
+        self.length = self.timed_length
         text = model.config.get_text_config()
         self.max_positions = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None)
 
@@ -69,8 +73,14 @@ class DraftModelDrafter(Drafter):
         self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
         self.start = self.fed = 0
         self.off = False  # set once a row outgrows the draft model's context
+        sampled = getattr(sampling, "do_sample", False)
+        self.length = self._sampled_length() if self.adaptive and sampled else self.timed_length
         if self.length is not None:
             self.length.new_generation()
+
+    def _sampled_length(self) -> AdaptiveLength:
+        """A sampled call's draft lengths: from acceptance and the model's bytes, so one seed, one sample."""
+        return AdaptiveLength(self.num_tokens, cost=modelled_cost(forward_bytes(self.model), self.target))
 
     def observe(self, step: TargetStep) -> None:
         if self.off:  # past the draft model's context: the target goes on alone

@@ -25,7 +25,7 @@ from ..drafting import Drafter, TargetStep
 from ..embedded import target_tokenizer
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
-from .adaptive import AdaptiveLength
+from .adaptive import AdaptiveLength, modelled_cost
 from .chain import chain_tree
 
 LLAMA_CPP = "llama-cpp-python==0.3.36"  # the version measured; `pip install 'selfspec[gguf]'` pins it
@@ -91,13 +91,16 @@ class GGUFDrafter(Drafter):
                  n_threads: int | None = None, n_ctx: int | None = None, tokenizer=None):
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.path = Path(path) if path is not None else default_gguf()
+        self.path = Path(path).expanduser() if path is not None else default_gguf()
         if not self.path.is_file():
             raise FileNotFoundError(f"no GGUF file at {self.path}; pass the path of a .gguf quantization of "
                                     "the target, e.g. 'gguf:/models/target.Q4_K_M.gguf'")
         self._llama = _llama_class()
         self.max_tokens, self.n_threads, self.n_ctx = max_tokens, n_threads, n_ctx
-        self.length = AdaptiveLength(max_tokens) if adaptive else None
+        # greedy calls share one timed calibration; a sampled call gets a fresh modelled one (see AdaptiveLength)
+        self.adaptive = adaptive
+        self.timed_length = AdaptiveLength(max_tokens) if adaptive else None
+        self.length = self.timed_length
         self.tokenizer = tokenizer
         self._free: list[_Sequence] = []  # contexts not bound to a row, reused by the next generate
         self.rows: list[_Sequence] = []
@@ -144,6 +147,9 @@ class GGUFDrafter(Drafter):
             self._free.append(self._new_sequence())
         self.rows, self._free = self._free[:batch_size], self._free[batch_size:]
         self.context: list[list[int]] = [[] for _ in range(batch_size)]
+        self.length = self.timed_length
+        if self.adaptive and getattr(sampling, "do_sample", False):  # modelled: the file's bytes over the target's
+            self.length = AdaptiveLength(self.max_tokens, cost=modelled_cost(self.path.stat().st_size, target))
         if self.length is not None:
             self.length.new_generation()
 

@@ -62,3 +62,13 @@ class NgramDrafter(Drafter):
     def select_rows(self, rows: torch.Tensor) -> None:
         self.context = [self.context[int(r)] for r in rows]
         self.roots = self.roots[rows]
+
+
+def from_spec(arg: str | None, target, tokenizer=None) -> NgramDrafter:
+    """`ngram`, or `ngram:<n>`: match suffixes of up to n tokens (vLLM's prompt_lookup_max; default 3)."""
+    if arg is None:
+        return NgramDrafter()
+    if not (arg.isascii() and arg.isdigit()) or int(arg) < 1:
+        raise ValueError(f"write ngram or ngram:<longest n-gram>, a whole number >= 1 of tokens to match (e.g. "
+                         f"ngram:4); got ngram:{arg}")
+    return NgramDrafter(max_ngram=int(arg))

@@ -27,3 +27,9 @@ class NoDrafter(Drafter):
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.roots = self.roots[rows]
+
+
+def from_spec(arg: str | None, target, tokenizer=None) -> NoDrafter:
+    if arg is not None:
+        raise ValueError(f"'none' takes no argument, got {arg!r}; write none")
+    return NoDrafter()

@@ -171,4 +171,4 @@ def from_spec(arg: str | None, target, tokenizer=None) -> StagedDrafter:
     if not isinstance(drafter, DraftModelDrafter) or isinstance(drafter, StagedDrafter):
         raise ValueError(f"staged drafting needs a drafter that runs a model per token (bf16, int8, "
                          f"early_exit:<k>), not {outer!r}")
-    return StagedDrafter(drafter.model, num_tokens=drafter.num_tokens, adaptive=drafter.length is not None)
+    return StagedDrafter(drafter.model, num_tokens=drafter.num_tokens, adaptive=drafter.adaptive)

@@ -15,7 +15,8 @@ min(`max_spec_tokens`, `spec_factor` * match length + `spec_offset`) nodes: a lo
 a short one a small tree. Of the two sources' trees the one with the higher score (the sum of its node
 probabilities, the expected number of accepted tokens) is proposed. With a `fallback` drafter, rows whose
 match is shorter than `min_match` take the fallback's tree instead (suffix where the match is long, the
-model elsewhere).
+model elsewhere). A sampled call with a fallback searches the request alone: the fallback's drafts are drawn,
+so where they are taken shapes the sample, and earlier responses must not change what one seed gives.
 
 These are the queries a depth-bounded suffix tree answers (deepest node matching the context; the counts
 of the subtree below it). Here they are answered from the token arrays themselves: one vectorized
@@ -24,7 +25,8 @@ preceding token also matches, so memory is one int per cached token rather than 
 (token, depth), and eviction is dropping an array.
 
 Drafts are deterministic, so under sampling they are the one-hot q case of verification (distinct
-siblings), and the output follows the target's distribution exactly.
+siblings), and the output follows the target's distribution exactly; verification then samples the target's
+own tokens as without drafts (infer/verify.py), so earlier responses never change what a seed gives.
 
 arctic-inference (vLLM's method="suffix") does run on CPU: 0.3.0 is published as source only and builds in
 about a minute with a C++20 compiler, cmake, nanobind 2.9.2 and torch >= 2.10 present at build time (pip
@@ -191,20 +193,31 @@ class OwnTrees:
 
     def speculate(self, key: int, context: np.ndarray, size: TreeSize, depth: int) -> Draft:
         """context: this row's prompt, output and pending root."""
-        pattern = context[-self.max_match:]
-        best = Draft()
-        # the request: occurrences must end before the root itself; the responses: anywhere
-        for corpus, end in ((context, len(context) - 1), (self.responses.corpus(), None)):
-            match, ends = longest_match(corpus, pattern, len(corpus) if end is None else end, self.max_match)
-            nodes = size.nodes(match, depth)
-            if nodes == 0:
-                continue
-            ends = ends[-self.max_occurrences:]  # the latest occurrences
-            draft = frequency_tree(continuations(corpus, ends, min(nodes, depth)), nodes, size.min_prob)
-            draft.match = match
-            if draft.score > best.score or (not best.tokens and match > best.match):
-                best = draft
+        best = request_draft(context, size, depth, self.max_match, self.max_occurrences)
+        corpus = self.responses.corpus()
+        match, ends = longest_match(corpus, context[-self.max_match:], len(corpus), self.max_match)
+        draft = _draft_after(corpus, match, ends, size, depth, self.max_occurrences)
+        if draft.score > best.score or (not best.tokens and draft.match > best.match):
+            best = draft
         return best
+
+
+def request_draft(context: np.ndarray, size: TreeSize, depth: int, max_match: int, max_occurrences: int) -> Draft:
+    """The tree of what followed earlier occurrences of the context's suffix in the context itself (ending
+    before its last token, the pending root)."""
+    match, ends = longest_match(context, context[-max_match:], len(context) - 1, max_match)
+    return _draft_after(context, match, ends, size, depth, max_occurrences)
+
+
+def _draft_after(corpus: np.ndarray, match: int, ends: np.ndarray, size: TreeSize, depth: int,
+                 max_occurrences: int) -> Draft:
+    """The frequency tree of the tokens after a match's latest occurrences; empty where the match earns none."""
+    nodes = size.nodes(match, depth)
+    if nodes == 0:
+        return Draft()
+    draft = frequency_tree(continuations(corpus, ends[-max_occurrences:], min(nodes, depth)), nodes, size.min_prob)
+    draft.match = match
+    return draft
 
 
 class ArcticTrees:
@@ -302,6 +315,7 @@ class SuffixDrafter(Drafter):
         else:
             raise ValueError(f"backend must be 'ours' or 'arctic', got {backend!r}")
         self.fallback, self.min_match = fallback, min_match
+        self.max_match, self.max_occurrences = max_match, max_occurrences
         if fallback is not None:
             self.feature_layers = fallback.feature_layers
             self.model = getattr(fallback, "model", None)  # its linears get the engine's CPU prepacking too
@@ -351,8 +365,14 @@ class SuffixDrafter(Drafter):
     def propose(self, budget: torch.Tensor) -> DraftTree:
         roots = self.roots.cpu().tolist()
         depth = budget.cpu().tolist()
-        drafts = [self.trees.speculate(key, np.append(ctx, root), self.size, d)
-                  for key, ctx, root, d in zip(self.keys, self.context, roots, depth, strict=True)]
+        if self.fallback is not None and getattr(self.sampling, "do_sample", False):
+            # the fallback samples its drafts, so which rows take them shapes the sample: they must not depend
+            # on earlier calls' responses, or one seed would give another sample on each call
+            drafts = [request_draft(np.append(ctx, root), self.size, d, self.max_match, self.max_occurrences)
+                      for ctx, root, d in zip(self.context, roots, depth, strict=True)]
+        else:
+            drafts = [self.trees.speculate(key, np.append(ctx, root), self.size, d)
+                      for key, ctx, root, d in zip(self.keys, self.context, roots, depth, strict=True)]
         tree = self._tree(drafts)
         if self.fallback is None:
             return tree
