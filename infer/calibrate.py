@@ -37,14 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .tuning.acceptance import (  # noqa: F401 -- until scripts/calibrate.py imports them there
-    WIDE,
-    encode_prompts,
-    load_prompts,
-    measure_acceptance,
-    measure_lookup_first,
-    wide_tree,
-)
+from .tuning.acceptance import WIDE, measure_acceptance, measure_lookup_first, wide_tree
 from .tuning.cache import config_hash, device_name, fingerprint, read_cache, write_cache
 from .tuning.candidates import NO_DRAFTS, Candidate, Prediction, best_prediction, candidate_trees
 from .tuning.plan import prepack_default
@@ -142,12 +135,6 @@ class Choice:
     @property
     def tree(self) -> dict:
         return self.best.candidate.tree
-
-    def write(self, folder, drafter) -> None:
-        """Store it in the saved drafter at `folder` (`heads.card.write_calibration`)."""
-        from heads.card import write_calibration  # until scripts/calibrate.py calls heads.card itself
-
-        write_calibration(folder, drafter, self.calibration, self.tree, self.lookup_first)
 
 
 def choose(target, drafter, prompts: list[torch.Tensor], *, lookup_first: bool = True, max_new_tokens: int = 64,

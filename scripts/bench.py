@@ -706,7 +706,7 @@ def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> dict
 def environment(target, threads: int) -> dict:
     import transformers
 
-    from infer.calibrate import device_name
+    from infer.tuning.cache import device_name
 
     cpu = device_name(torch.device("cpu"))  # model name, family and model: one bare name can cover two CPUs
     try:

@@ -59,8 +59,10 @@ def main(argv=None) -> int:
                      f"measured one; got {args.max_nodes}")
 
     import heads
-    from infer.calibrate import choose, encode_prompts, load_prompts
+    from heads.card import write_calibration
+    from infer.calibrate import choose
     from infer.embedded import resolve_target
+    from infer.tuning.acceptance import encode_prompts, load_prompts
 
     prompts = load_prompts(args.prompts)  # bad input fails here, before any model loads
     if args.limit:
@@ -97,7 +99,7 @@ def main(argv=None) -> int:
               + ("pays" if choice.lookup_first["drafting_pays"] else
                  "does not pay on this machine, whose forward alone is faster than drafting with this drafter"))
     if args.write:
-        choice.write(folder, drafter)
+        write_calibration(folder, drafter, choice.calibration, choice.tree, choice.lookup_first)
         print(f"wrote the tree and the statistics to {folder / 'config.json'}")
     return 0
 

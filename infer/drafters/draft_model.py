@@ -7,9 +7,9 @@ import warnings
 
 import torch
 
+from ..cpu.lean_forward import LeanForward, Unsupported
 from ..drafting import Drafter, TargetStep
 from ..kv import KVState, forward_block, prompt_tree
-from ..lean_forward import LeanForward, Unsupported
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
 from .adaptive import AdaptiveLength, forward_bytes, modelled_cost
@@ -23,8 +23,8 @@ class DraftModelDrafter(Drafter):
     stops drafting where one more token no longer pays (`AdaptiveLength`); otherwise every row drafts
     `num_tokens`.
 
-    `lean_quantized`: the model's linears are all `infer.cpu_linear.Int8Linear` or `Int4Linear` (the `int8` and
-    `int4` self-drafters' copies of the target), and its forwards run as `infer.lean_forward.LeanForward` computes
+    `lean_quantized`: the model's linears are all `infer.cpu.linear.Int8Linear` or `Int4Linear` (the `int8` and
+    `int4` self-drafters' copies of the target), and its forwards run as `infer.cpu.lean_forward.LeanForward` computes
     them, one kernel call a layer, where that can run the model (a Llama-layout model, the kernel built);
     elsewhere its own forward runs. Transformers' modules around the quantized matmuls cost more than the matmuls
     do on a 2-core CPU (docs/benchmarks.md).
