@@ -7,33 +7,13 @@ all read `DRAFTERS`; a drafter that takes an argument is written `<name>:<argume
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
-from ..drafting import Drafter
 from . import gguf, layer_skip, lookahead, ngram, none, self_draft, staged
 from .draft_model import DraftModelDrafter
 from .lookup_first import LookupFirstDrafter
 from .ngram import NgramDrafter
 from .none import NoDrafter
+from .registry import DRAFTERS, build_drafter, known, register
 from .suffix import from_spec as suffix_from_spec
-
-
-@dataclass(frozen=True)
-class Entry:
-    build: Callable  # (argument or None, target, tokenizer) -> Drafter
-    usage: str  # how the name is written, with its argument
-    when: str  # one line: when to use it
-
-
-DRAFTERS: dict[str, Entry] = {}
-
-
-def register(name: str, build: Callable, usage: str, when: str) -> None:
-    if name in DRAFTERS:
-        raise ValueError(f"a drafter named {name!r} is registered already")
-    DRAFTERS[name] = Entry(build, usage, when)
-
 
 register("ngram", ngram.from_spec, "ngram[:<longest n-gram>]",
          "no model at all: prompt lookup, for answers that copy from the prompt")
@@ -59,23 +39,6 @@ register("none", none.from_spec, "none",
          "drafting's")
 register("suffix", suffix_from_spec, "suffix[:<drafter>]",
          "no model: suffix matches in the request and earlier responses (repeated requests); <drafter> elsewhere")
-
-
-def known() -> str:
-    return ", ".join(entry.usage for entry in DRAFTERS.values())
-
-
-def build_drafter(spec: str, target, tokenizer=None) -> Drafter:
-    """The drafter a name stands for, e.g. "ngram", "gguf", "early_exit:8", "staged:int8+ngram"."""
-    name, sep, arg = spec.partition(":")
-    entry = DRAFTERS.get(name.strip())
-    if entry is None:
-        raise ValueError(f"unknown drafter {spec!r}; the named drafters are: {known()}; or pass a trained "
-                         "drafter (heads.load(...)), a causal LM sharing the target's tokenizer, or an "
-                         "infer.Drafter")
-    if sep and not arg.strip():
-        raise ValueError(f"drafter {spec!r} has nothing after ':'; write {entry.usage}")
-    return entry.build(arg.strip() if sep else None, target, tokenizer)
 
 
 __all__ = ["DRAFTERS", "DraftModelDrafter", "LookupFirstDrafter", "NgramDrafter", "NoDrafter", "build_drafter",

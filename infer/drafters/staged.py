@@ -22,6 +22,7 @@ from ..tree import DraftTree
 from .chain import chain_tree
 from .draft_model import DraftModelDrafter
 from .ngram import NgramDrafter
+from .registry import build_drafter
 
 
 class StagedDrafter(DraftModelDrafter):
@@ -161,8 +162,6 @@ class StagedDrafter(DraftModelDrafter):
 
 def from_spec(arg: str | None, target, tokenizer=None) -> StagedDrafter:
     """`staged:<self-drafter>+ngram`, e.g. `staged:bf16+ngram`: prompt lookup drafts for the self-drafter."""
-    from . import build_drafter
-
     outer, plus, inner = (arg or "").partition("+")
     if not outer or (plus and inner.strip() != "ngram"):
         raise ValueError(f"write staged:<drafter>+ngram with a self-drafter such as bf16, int8 or early_exit:<k> "

@@ -50,6 +50,7 @@ import torch
 from ..drafting import Drafter, TargetStep
 from ..tree import DraftTree
 from .lookup_first import _pick_rows
+from .registry import build_drafter
 
 _BOUNDARY = -1  # between cached responses; never equal to a token, so no match crosses it
 
@@ -444,8 +445,6 @@ def _check_real(name: str, value, low: float | None = None, high: float | None =
 def from_spec(arg: str | None, target, tokenizer=None) -> SuffixDrafter:
     """`suffix`, `suffix:<drafter>` (the drafter where the match is short, e.g. `suffix:int8`),
     `suffix:arctic` and `suffix:arctic+<drafter>` (arctic-inference's suffix trees, where installed)."""
-    from . import build_drafter
-
     backend, rest = "ours", (arg or "").strip()
     if rest == "arctic" or rest.startswith("arctic+"):
         backend, rest = "arctic", rest[len("arctic"):].lstrip("+").strip()
