@@ -1,0 +1,128 @@
+"""The packages' imports point one way: infer/ at the bottom, heads/ on it, train/ on heads/, scripts/ on top.
+
+Read from the source with `ast` (function-level imports included), so a lazy import inside a function cannot
+hide an arrow that runs back up.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("infer", "heads", "train")
+LAYER = {"infer": 0, "heads": 1, "train": 2, "scripts": 3}
+# The one module of infer/ that loads trained drafters by name or folder (SelfSpecModel.from_pretrained).
+FACADE = "infer/__init__.py"
+
+
+def _sources() -> list[Path]:
+    return sorted(p for d in (*PACKAGES, "scripts") for p in (ROOT / d).rglob("*.py"))
+
+
+def _module_file(dotted: str) -> Path | None:
+    """The file a dotted module name is, if it is one of ours."""
+    base = ROOT.joinpath(*dotted.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _package_of(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts[:-1])
+
+
+def _imports(path: Path, source: str | None = None) -> set[Path]:
+    """The project files `path` imports (a submodule where `from package import name` names one)."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    here = _package_of(path)
+    if path.name == "__init__.py":
+        here = ".".join(path.relative_to(ROOT).parts[:-1])
+    found: set[Path] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [(alias.name, None) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = here.split(".")[: len(here.split(".")) - node.level + 1]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module
+            names = [(module, alias.name) for alias in node.names]
+        else:
+            continue
+        for module, name in names:
+            sub = _module_file(f"{module}.{name}") if name else None
+            target = sub or _module_file(module)
+            if target is not None and target != path:
+                found.add(target)
+    return found
+
+
+def _graph() -> dict[Path, set[Path]]:
+    return {path: _imports(path) for path in _sources()}
+
+
+def _layer(path: Path) -> str:
+    return path.relative_to(ROOT).parts[0]
+
+
+def _rel(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def test_no_file_imports_a_layer_above_its_own():
+    upward = [f"{_rel(a)} -> {_rel(b)}" for a, targets in _graph().items() for b in targets
+              if LAYER[_layer(b)] > LAYER[_layer(a)] and _rel(a) != FACADE]
+    assert upward == [], upward
+
+
+def test_only_the_facade_of_infer_reaches_above_it_and_nothing_in_infer_imports_it():
+    graph = _graph()
+    facade = ROOT / FACADE
+    importers = [_rel(a) for a, targets in graph.items() if facade in targets and _layer(a) == "infer"]
+    assert importers == [], importers
+
+
+def test_no_import_circles():
+    graph = _graph()
+    circles = []
+    index: dict[Path, int] = {}
+    low: dict[Path, int] = {}
+    stack: list[Path] = []
+    on_stack: set[Path] = set()
+
+    def visit(node: Path) -> None:  # Tarjan's strongly connected components
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, ()):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(_rel(top))
+                if top == node:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for node in graph:
+        if node not in index:
+            visit(node)
+    assert circles == [], circles
+
+
+@pytest.mark.parametrize("source", ["import infer.engine", "from infer import engine", "from .engine import X"])
+def test_the_reader_sees_each_form_of_import(source):
+    assert ROOT / "infer" / "engine.py" in _imports(ROOT / "infer" / "probe.py", source)
