@@ -1,9 +1,10 @@
-"""The target architecture's own decoder layer, built from transformers and called through its own forward.
+"""Decoder layers for EAGLE drafters, built from transformers and called through their own forward.
 
-EAGLE drafters are one decoder layer of the target's architecture. We never copy modeling code: we look up
-the layer class transformers uses for the target's `model_type`, build it from a one-layer, full-attention
-copy of the target's config, and call it with keyword arguments (a 4D additive mask, position ids, the
-rotary `position_embeddings` when the architecture uses them, and the KV cache).
+An EAGLE drafter's layer is either transformers' Llama decoder layer at the target's sizes (`layer_style`
+"llama": one layout for every target, the one vLLM and SGLang serve) or the target architecture's own layer
+("target"). We never copy modeling code: we look up the layer class transformers uses for a `model_type`,
+build it from a one-layer, full-attention config, and call it with keyword arguments (a 4D additive mask,
+position ids, the rotary `position_embeddings` when the architecture uses them, and the KV cache).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, PretrainedConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -84,6 +85,52 @@ def layer_config_dict(target_config: PretrainedConfig) -> dict:
                 "quantization_config"):  # the drafter layer is a plain, unquantized layer
         d.pop(key, None)
     return d
+
+
+# How an EAGLE drafter's decoder layer is built (EagleConfig.layer_style).
+LAYER_STYLES = ("llama", "target")
+
+
+def llama_layer_config_dict(target_config: PretrainedConfig) -> dict:
+    """A one-layer Llama config at the target's sizes, as a JSON-able dict (with model_type "llama").
+
+    Width, heads, KV heads, head_dim, MLP width, norm epsilon, context length and the RoPE of the target's
+    full-attention layers carry over; the rest is Llama's: SiLU, RMSNorm, no biases, rotary over the whole head
+    (a partial rotary factor is dropped), so targets without RoPE (GPT-2's learned positions) get RoPE at
+    theta 10000. A Llama target's own layer config is returned as it is: there the two layer styles coincide.
+    """
+    c = target_config.get_text_config()
+    if c.model_type == "llama":
+        return layer_config_dict(c)
+    heads = c.num_attention_heads
+    ffn = getattr(c, "intermediate_size", None) or getattr(c, "n_inner", None) or 4 * c.hidden_size
+    eps = next((v for v in (getattr(c, k, None) for k in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon"))
+                if v is not None), 1e-6)
+    config = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=ffn, num_hidden_layers=1,
+        num_attention_heads=heads, num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads, hidden_act="silu", rms_norm_eps=float(eps),
+        max_position_embeddings=getattr(c, "max_position_embeddings", None) or 4096,
+        rope_parameters=_full_attention_rope(c), attention_bias=False, mlp_bias=False,
+        initializer_range=getattr(c, "initializer_range", 0.02))
+    d = config.to_diff_dict()
+    for key in ("transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
+                "tie_word_embeddings"):
+        d.pop(key, None)
+    d["model_type"] = "llama"
+    return d
+
+
+def _full_attention_rope(config: PretrainedConfig) -> dict:
+    """The target's RoPE for full-attention layers (Gemma 3 keeps one per layer type) without a partial rotary
+    factor; theta 10000 (Llama's default) for targets without RoPE."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    if isinstance(rope.get("full_attention"), dict):
+        rope = dict(rope["full_attention"])
+    rope.pop("partial_rotary_factor", None)
+    rope.setdefault("rope_type", "default")
+    rope["rope_theta"] = float(rope.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+    return rope
 
 
 def build_layer_config(layer_config: dict, attn_implementation: str) -> PretrainedConfig:

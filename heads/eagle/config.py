@@ -1,5 +1,5 @@
-"""EAGLE-1/2 (Li et al., 2024, arXiv:2401.15077 and arXiv:2406.16858): one decoder layer of the target's
-own architecture over [embedding of token t+1, target feature at t]. EAGLE-1 and EAGLE-2 share the module;
+"""EAGLE-1/2 (Li et al., 2024, arXiv:2401.15077 and arXiv:2406.16858): one decoder layer (Llama's at the
+target's sizes, or the target's own; `layer_style`) over [embedding of token t+1, target feature at t]. EAGLE-1 and EAGLE-2 share the module;
 only the tree differs (static paths vs. the dynamic, confidence-ranked tree)."""
 
 from __future__ import annotations
@@ -7,7 +7,11 @@ from __future__ import annotations
 from infer.tuning.candidates import prior_paths
 
 from ..base import DrafterConfig
-from ..layers import default_attn_implementation, layer_config_dict
+from ..layers import LAYER_STYLES, default_attn_implementation, layer_config_dict, llama_layer_config_dict
+
+# New drafters' layer style. Both styles measured equal within noise on tiny Qwen3 and Gemma 3 targets
+# (docs/export.md, "Layer style"), and "llama" exports to vLLM and SGLang for every target.
+DEFAULT_LAYER_STYLE = "llama"
 
 # Tree settings shared by EAGLE and EAGLE-3. The EAGLE-2 reference setup drafts on the order of 60 tokens
 # with depth 5-6 and top-10 expansion for 7B-13B targets; we default a little smaller (cheaper to verify
@@ -54,17 +58,44 @@ def resolve_eagle_tree(tree: dict) -> dict:
 class EagleConfig(DrafterConfig):
     model_type = "selfspec_eagle"
 
-    layer_config: dict | None = None  # one-layer, full-attention copy of the target's config (with model_type)
+    # The decoder layer: "llama", transformers' Llama layer at the target's sizes (exports to vLLM and SGLang
+    # whatever the target); "target", the target architecture's own layer. None = DEFAULT_LAYER_STYLE for a new
+    # drafter; a saved one without the field is read from its layer_config.
+    layer_style: str | None = None
+    layer_config: dict | None = None  # one-layer, full-attention config of the drafter's layer (with model_type)
     attn_implementation: str | None = None  # of the drafter layer: "sdpa" or "eager" (None = per architecture)
     fc_bias: bool = True  # the fc over [embedding, feature]
 
     TREE_DEFAULTS = EAGLE_TREE_DEFAULTS
+
+    def __post_init__(self, **kwargs):
+        super().__post_init__(**kwargs)
+        if self.layer_style is not None and self.layer_style not in LAYER_STYLES:
+            raise ValueError(f"{self.model_type} layer_style must be one of {LAYER_STYLES}, got {self.layer_style!r}")
+        if self.layer_config is None:
+            return
+        built = self.layer_config.get("model_type")
+        if self.layer_style is None:  # saved before the field existed: the layer config says which
+            self.layer_style = "target" if built == self.target_model_type else "llama"
+        expected = "llama" if self.layer_style == "llama" else self.target_model_type
+        if expected is not None and built != expected:
+            raise ValueError(f"{self.model_type} layer_style={self.layer_style!r} needs a layer_config of model_type "
+                             f"{expected!r}, got {built!r}; rebuild the config with heads.build(kind, target, "
+                             f"layer_style={self.layer_style!r})")
 
     def resolve_tree(self, tree: dict | None) -> dict:
         return resolve_eagle_tree(super().resolve_tree(tree))
 
     @classmethod
     def for_target(cls, target_config, **fields) -> EagleConfig:
-        fields.setdefault("layer_config", layer_config_dict(target_config))
-        fields.setdefault("attn_implementation", default_attn_implementation(target_config.model_type))
+        style = fields.get("layer_style") or DEFAULT_LAYER_STYLE
+        if style not in LAYER_STYLES:
+            raise ValueError(f"{cls.model_type} layer_style must be one of {LAYER_STYLES}, got {style!r}")
+        fields["layer_style"] = style
+        if style == "llama":
+            fields.setdefault("layer_config", llama_layer_config_dict(target_config))
+            fields.setdefault("attn_implementation", "sdpa")
+        else:
+            fields.setdefault("layer_config", layer_config_dict(target_config))
+            fields.setdefault("attn_implementation", default_attn_implementation(target_config.model_type))
         return cls(**fields)

@@ -1,4 +1,4 @@
-"""The EAGLE-1/2 drafter module: fc over [embedding, feature] feeding one decoder layer of the target's class."""
+"""The EAGLE-1/2 drafter module: fc over [embedding, feature] feeding one decoder layer (`layer_style`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ class EagleModel(DrafterModel):
 
     Input at t is the pair (token x_{t+1}, target feature f_t), f being the target's last hidden state after
     its final norm (`output_hidden_states[-1]`). The output hidden state at t predicts f_{t+1}; the logits
-    (the target's frozen lm_head on it) predict x_{t+2}. The decoder layer is the target architecture's own
-    transformers class; embeddings and lm_head are the target's, bound by `attach` and never saved.
+    (the target's frozen lm_head on it) predict x_{t+2}. The decoder layer is transformers' Llama layer at the
+    target's sizes or the target architecture's own class (`config.layer_style`); embeddings and lm_head are
+    the target's, bound by `attach` and never saved.
 
     `attention_mask` is a 4D additive float mask [B, 1, T, past + T] (as `infer.kv.KVState` builds); when
     None, a causal mask over the cache and the block is used. `position_ids` default to past + arange(T).

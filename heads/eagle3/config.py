@@ -21,13 +21,13 @@ class Eagle3Config(EagleConfig):
     feature_layers: list[int] | None = None  # None = default_feature_layers(target_num_layers)
     draft_vocab_size: int | None = None  # None = min(32000, target vocab size)
     # How [norm(embedding), norm(hidden)] (2D wide) enters the layer. "widen": the paper/speculators layout,
-    # q/k/v take 2D inputs (Llama-layout layers only). "project": a Linear 2D -> D, then the standard layer
-    # (any architecture; not exportable to speculators). "auto" = widen where possible.
+    # q/k/v take 2D inputs (Llama-layout layers only, so every layer_style="llama" drafter). "project": a Linear
+    # 2D -> D, then the standard layer (any architecture; not exportable). "auto" = widen where possible.
     input_mode: str = "auto"
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden (speculators' flag)
     fc_bias: bool = False
-    # Decoder layers. The first reads [embedding, feature] as above; the others are the target's layer as it
-    # is, on the first one's output (the EAGLE-3 paper and speculators' checkpoints use one).
+    # Decoder layers. The first reads [embedding, feature] as above; the others are the same class as it is,
+    # on the first one's output (the EAGLE-3 paper and speculators' checkpoints use one).
     num_layers: int = 1
 
     def __post_init__(self, **kwargs):

@@ -44,9 +44,10 @@ class Eagle3Model(DrafterModel):
       widen:   residual = h (or hidden_norm(h) with norm_before_residual);
                a = self_attn([input_layernorm(e), hidden_norm(h)])   q/k/v take 2D inputs
                h = residual + a;  h = h + mlp(post_attention_layernorm(h))
-      project: h = layer(proj([embed_norm(e), hidden_norm(h)]))     the target's layer as it is
-    where e is the target's embedding of the token and every module is of the target architecture's class;
-    with `num_layers` > 1 the target's layer as it is follows, num_layers - 1 times.
+      project: h = layer(proj([embed_norm(e), hidden_norm(h)]))     the layer as it is
+    where e is the target's embedding of the token and every module is of the layer's class (`layer_style`:
+    Llama's, which is always widen, or the target architecture's); with `num_layers` > 1 that layer as it is
+    follows, num_layers - 1 times.
 
     Training-time test: call forward repeatedly, feeding step j's output hidden (and tokens drafted or
     shifted for step j+1) back in with the same `past_key_values` (a `DynamicCache`): each call appends its
