@@ -105,9 +105,7 @@ def accept_sampled(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tenso
                 ends.append(node)
                 break
             node = accepted
-    acc = _path_to(torch.tensor(ends, device=logits.device), ancestors)
-    acc.bonus = torch.cat(bonus)
-    return acc
+    return _walked(ends, bonus, ancestors)
 
 
 def _accept_deterministic(tree: DraftTree, probs: torch.Tensor, ancestors: torch.Tensor,
@@ -127,7 +125,12 @@ def _accept_deterministic(tree: DraftTree, probs: torch.Tensor, ancestors: torch
                 ends.append(node)
                 break
             node = child
-    acc = _path_to(torch.tensor(ends, device=probs.device), ancestors)
+    return _walked(ends, bonus, ancestors)
+
+
+def _walked(ends: list[int], bonus: list[torch.Tensor], ancestors: torch.Tensor) -> Acceptance:
+    """The acceptance a row-by-row walk found: each row's last kept node and its bonus token ([1] each)."""
+    acc = _path_to(torch.tensor(ends, device=ancestors.device), ancestors)
     acc.bonus = torch.cat(bonus)
     return acc
 
