@@ -40,6 +40,7 @@ class TrainConfig:
     features: str = "online"  # online: run the frozen target in the loop; offline: compute once and cache on disk
     feature_cache_dir: str = ".cache/selfspec-features"  # offline cache root; entries are keyed by target+data+max_length
     feature_dtype: str = "float32"  # dtype of cached features: float32 | bfloat16 | float16
+    target_sharding: str = "none"  # none: every process holds the whole frozen target; fsdp: its decoder layers split across the processes (FSDP2), for a target too large for one device (train/sharding.py)
 
     # --- losses ---
     loss: str = "hard"  # hard: CE on the data's tokens; soft: KL to the target's next-token distribution; both: their sum
@@ -208,6 +209,7 @@ def validate(config: TrainConfig) -> None:
         "report_to": ("none", "wandb"),
         "target_dtype": ("float32", "bfloat16", "float16"),
         "feature_dtype": ("float32", "bfloat16", "float16"),
+        "target_sharding": ("none", "fsdp"),
     }
     for name, allowed in choices.items():
         if getattr(config, name) not in allowed:

@@ -23,6 +23,7 @@ or after the data or the target's weights changed, is refused by name.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -55,6 +56,7 @@ from train.data import (  # noqa: E402
 )
 from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
 from train.objectives import build_objective  # noqa: E402
+from train.sharding import check_sharding, place_target  # noqa: E402
 from train.target import load_target, target_fingerprint  # noqa: E402
 
 ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 accuracy), not measured by "
@@ -141,15 +143,18 @@ def add_lora(config: TrainConfig, target):
     return get_peft_model(target, lora)
 
 
-def make_features(config, accelerator, target, drafter, samples, pad_id, split: str):
+def make_features(config, accelerator, target, drafter, samples, pad_id, split: str, fingerprint: str):
     soft = config.loss != "hard"
     layers = needed_layers(drafter, drafter.config.target_num_layers, soft)
     if config.lora_r > 0:
         return None  # Medusa-2 runs its adapted target inside the objective
-    if config.features == "online":
+    # A sharded target's forward is collective, and processes evaluate unequal numbers of batches: its held-out
+    # features are cached, and every process builds a cache with the others (train/sharding.py).
+    sharded = config.target_sharding != "none"
+    if config.features == "online" and not (sharded and split == "eval"):
         return OnlineFeatures(target, layers)
-    key = cache_key(f"{config.target}:{target_fingerprint(target)}", samples, layers, config.feature_dtype)
-    with accelerator.main_process_first():
+    key = cache_key(f"{config.target}:{fingerprint}", samples, layers, config.feature_dtype)
+    with contextlib.nullcontext() if sharded else accelerator.main_process_first():
         cache = FeatureCache.build(target, samples, layers, config.feature_cache_dir, key,
                                    dtype=config.feature_dtype, batch_size=config.batch_size, pad_id=pad_id,
                                    progress=config.progress_bar and accelerator.is_main_process,
@@ -419,6 +424,7 @@ class Inputs:
 def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = None) -> Inputs:
     # Data, then target and drafter: every check that can fail does so before the target loads (data) or
     # before features are computed (everything else). Resuming, each input must be the checkpoint's.
+    check_sharding(config.target_sharding, accelerator.num_processes, lora_r=config.lora_r)
     recorded = recorded_inputs(checkpoint)
     conversations, data_stats = read_conversations(load_rows(config.data, config.data_split), config.max_samples)
     fingerprints = {"data": conversations_fingerprint(conversations)}
@@ -428,7 +434,7 @@ def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = N
     target, tokenizer = load_target(config.target, config.target_dtype)
     fingerprints["target"] = target_fingerprint(target)
     check_unchanged(recorded, fingerprints, config, checkpoint)
-    target.to(accelerator.device)
+    place_target(target, config.target_sharding, accelerator)
     samples, data_stats = tokenize_conversations(conversations, data_stats, tokenizer, config.max_length)
     check_context(config, target, samples)
     fingerprints["samples"] = samples_fingerprint(samples)
@@ -442,8 +448,10 @@ def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = N
     if accelerator.is_main_process:
         print(f"[data] {json.dumps(asdict(data_stats))}", flush=True)
     tic = time.perf_counter()
-    train_features = make_features(config, accelerator, target, drafter, train_set, pad_id, "train")
-    eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval") \
+    train_features = make_features(config, accelerator, target, drafter, train_set, pad_id, "train",
+                                   fingerprints["target"])
+    eval_features = make_features(config, accelerator, target, drafter, eval_set, pad_id, "eval",
+                                  fingerprints["target"]) \
         if eval_set else None
     return Inputs(target, tokenizer, train_set, eval_set, data_stats, pad_id, drafter, lora_target,
                   train_features, eval_features, time.perf_counter() - tic, total_steps, fingerprints)
