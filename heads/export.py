@@ -1,4 +1,5 @@
-"""Export to (and import from) the formats vLLM serves: speculators EAGLE-3, vLLM Medusa and DFlash.
+"""Export to (and import from) the formats vLLM serves (speculators EAGLE-3, vLLM Medusa and DFlash), and export
+of EAGLE-3 to the layout SGLang loads (SpecForge's output).
 
 What was checked against which release is recorded in docs/export.md. Each exported config also carries a
 `selfspec` block (ignored by vLLM and speculators) with what the format itself does not record, such as
@@ -73,7 +74,7 @@ def _earlier_export(path: Path, names: list[str]) -> bool:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return (isinstance(config, dict) and isinstance(config.get("selfspec"), dict)
-            and any(fmt.recognizes(config) for fmt in (SPECULATORS, VLLM_MEDUSA, DFLASH)))
+            and any(fmt.recognizes(config) for fmt in FORMATS.values()))
 
 
 def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -104,18 +105,10 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
     as Qwen3's q/k norms). The embedding is not written: vLLM and speculators then use the verifier's.
     """
     c = model.config
-    if c.input_mode != "widen":
-        raise ValueError(f"speculators EAGLE-3 has no '{c.input_mode}' input mode (used for "
-                         f"{c.target_model_type} layers): only input_mode='widen' drafters of Llama-layout "
-                         "architectures export; keep this drafter in the selfspec format")
+    _check_llama_layers(model, "speculators EAGLE-3")
     if c.fc_bias:
         raise ValueError("speculators EAGLE-3 has no fc bias; this drafter was built with fc_bias=True")
     layer_sd = model.layers[0].state_dict()
-    expected = set(LLAMA_LAYER_WEIGHTS) | {k for k in ATTENTION_BIASES if k in layer_sd}
-    extra = sorted(set(layer_sd) - expected)
-    if extra:
-        raise ValueError(f"the {c.target_model_type} decoder layer has parameters a Llama-style speculators layer "
-                         f"lacks: {extra}; this drafter cannot be exported to speculators")
     biases = [k for k in ATTENTION_BIASES if k in layer_sd]
     tensors = {}
     for i, layer in enumerate(model.layers):  # layers after the first are plain Llama layers in vLLM too
@@ -134,19 +127,42 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
     return os.fspath(out_dir)
 
 
-def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
+def _check_llama_layers(model: Eagle3Model, fmt: str) -> None:
+    """Refuse, naming the fix, a drafter whose layers are not Llama layers in the paper's widened layout."""
+    c = model.config
+    if c.input_mode != "widen":
+        raise ValueError(f"{fmt} has no '{c.input_mode}' input mode (used for {c.target_model_type} layers with "
+                         "layer_style='target'): only input_mode='widen' drafters export; train with "
+                         "layer_style='llama' (a Llama layer for any target), or keep this drafter in the selfspec "
+                         "format")
+    layer_sd = model.layers[0].state_dict()
+    expected = set(LLAMA_LAYER_WEIGHTS) | {k for k in ATTENTION_BIASES if k in layer_sd}
+    extra = sorted(set(layer_sd) - expected)
+    if extra:
+        raise ValueError(f"the {c.layer_config.get('model_type')} decoder layer has parameters a Llama layer lacks: "
+                         f"{extra}; this drafter cannot be exported to {fmt}: train with layer_style='llama'")
+
+
+def _llama_layer_config(model: Eagle3Model, attention_bias: bool) -> dict:
+    """The Llama config dict of the drafter's layers, as speculators and SpecForge write it."""
     c = model.config
     layer = model.layers[0]
     lc = c.layer_config
     rope = dict(layer.self_attn.config.rope_parameters or {})
-    layer_config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": c.num_layers,
-                    "vocab_size": c.target_vocab_size, "tie_word_embeddings": False,
-                    "attention_bias": attention_bias, "rope_theta": rope.get("rope_theta", 10000.0)}
-    layer_config.update({k: lc[k] for k in LLAMA_LAYER_FIELDS if lc.get(k) is not None})
-    layer_config.setdefault("head_dim", layer.self_attn.head_dim)
-    layer_config.setdefault("num_key_value_heads", layer_config["num_attention_heads"])
+    out = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": c.num_layers,
+           "vocab_size": c.target_vocab_size, "tie_word_embeddings": False, "attention_bias": attention_bias,
+           "rope_theta": rope.get("rope_theta", 10000.0)}
+    out.update({k: lc[k] for k in LLAMA_LAYER_FIELDS if lc.get(k) is not None})
+    out.setdefault("head_dim", layer.self_attn.head_dim)
+    out.setdefault("num_key_value_heads", out["num_attention_heads"])
     if rope.get("rope_type", "default") != "default":
-        layer_config["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+        out["rope_scaling"] = {k: v for k, v in rope.items() if k != "rope_theta"}
+    return out
+
+
+def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
+    c = model.config
+    layer_config = _llama_layer_config(model, attention_bias)
     depth = c.tree["depth"] if c.tree["mode"] == "dynamic" else max(len(p) for p in c.tree["paths"])
     verifier_arch = arch_classes(c.target_model_type).causal_lm.__name__ if c.target_model_type else None
     return {
@@ -208,7 +224,8 @@ def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
     if not config.get("eagle_aux_hidden_state_layer_ids") and fields.get("target_num_layers") is None:
         raise ValueError(f"{path_or_id} records no eagle_aux_hidden_state_layer_ids; pass target= so the "
                          "default feature layers can be derived from its layer count")
-    eagle3 = Eagle3Config(layer_config=layer_config, attn_implementation=attn, input_mode="widen",
+    fields.pop("layer_style", None)  # a speculators layer is a Llama layer, whatever the target
+    eagle3 = Eagle3Config(layer_config=layer_config, layer_style="llama", attn_implementation=attn, input_mode="widen",
                           feature_layers=config.get("eagle_aux_hidden_state_layer_ids"),
                           draft_vocab_size=config["draft_vocab_size"],
                           norm_before_residual=config.get("norm_before_residual", True), fc_bias=False,
@@ -408,6 +425,70 @@ def _read_mask_embedding(path_or_id, mask_token_id, target, **hub_kwargs) -> tor
     return target.get_input_embeddings().weight[int(mask_token_id)].detach().cpu().clone()
 
 
+# ---- SGLang EAGLE-3 (SpecForge's output, SGLang's LlamaForCausalLMEagle3) -----------------------------------
+
+SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
+# The layer weights SGLang's LlamaForCausalLMEagle3 loads into its `midlayer` (q/k/v and gate/up are fused on
+# load from these names); a name it does not know is skipped without a word, so these must be exact.
+SGLANG_MIDLAYER_WEIGHTS = tuple(LLAMA_LAYER_WEIGHTS) + ("hidden_norm.weight",)
+
+
+def export_sglang(model: Eagle3Model, out_dir) -> str:
+    """Write `model` as SGLang loads an EAGLE-3 draft (`--speculative-algorithm EAGLE3`, the layout SpecForge
+    saves): config.json, a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`, `draft_vocab_size`,
+    `target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`; model.safetensors with `fc`,
+    `midlayer.*`, `norm`, `lm_head`, `d2t` and `t2d`. The embedding is not written: SGLang shares the target's.
+
+    What SGLang computes is the paper layout with one layer: the drafter must be `input_mode="widen"` with a
+    plain Llama layer (`layer_style="llama"` for any target), no attention biases (SGLang's widened q/k/v have
+    none), `norm_before_residual=False` (SGLang adds the un-normed hidden state) and `num_layers=1` (SGLang's
+    further layers normalise their input with `hidden_norm` and start a new residual, which is not our layer).
+    SGLang captures each target layer once, in ascending order: feature layers must be distinct target layers
+    1..L-1 (hidden_states indices), and `fc`'s column blocks are written in ascending layer order.
+    """
+    c = model.config
+    fmt = "SGLang EAGLE-3"
+    _check_llama_layers(model, fmt)
+    biases = sorted(k for k in model.layers[0].state_dict() if k.endswith(".bias"))
+    if biases:
+        raise ValueError(f"{fmt}'s widened q/k/v have no bias; this drafter's layer has {biases}: train with "
+                         "layer_style='llama'")
+    if c.num_layers != 1:
+        raise ValueError(f"{fmt} computes layers after the first differently from ours (each normalises its input "
+                         f"with hidden_norm and starts a new residual); this drafter has num_layers={c.num_layers}: "
+                         "export to speculators (vLLM) or train with num_layers=1")
+    if c.norm_before_residual:
+        raise ValueError(f"{fmt} adds the un-normed hidden state to the attention output; this drafter was built with "
+                         "norm_before_residual=True")
+    n, layers = c.target_num_layers, list(c.feature_layers)
+    outside = [i for i in layers if n is None or not 1 <= i <= n - 1]
+    if outside or len(set(layers)) != len(layers):
+        raise ValueError(f"feature layers {layers} cannot be served by SGLang: it captures each of target layers "
+                         f"1..{'L-1' if n is None else n - 1} (hidden_states indices: the input of that layer) once; "
+                         f"{'outside that range: ' + str(outside) if outside else 'repeated layers'}")
+    order = sorted(range(len(layers)), key=lambda j: layers[j])
+    d = c.target_hidden_size
+    tensors = {f"midlayer.{k}": v for k, v in model.layers[0].state_dict().items()}
+    tensors.update({
+        "midlayer.hidden_norm.weight": model.hidden_norm.weight,
+        "fc.weight": torch.cat([model.fc.weight[:, j * d:(j + 1) * d] for j in order], dim=1),
+        "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight, "d2t": model.d2t, "t2d": model.t2d,
+    })
+    if model.fc.bias is not None:
+        tensors["fc.bias"] = model.fc.bias
+    config = _llama_layer_config(model, attention_bias=False)
+    config.update({
+        "architectures": [SGLANG_ARCHITECTURE], "num_hidden_layers": 1, "draft_vocab_size": c.draft_vocab_size,
+        "target_hidden_size": d, "bias": c.fc_bias, "target_model_type": c.target_model_type,
+        # SGLang's ids are one less than the layer it captures the input of: our hidden_states index - 1
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in sorted(layers)],
+                         "use_aux_hidden_state": True},
+        "selfspec": _selfspec_block(c, attn_implementation=c.attn_implementation, feature_layers=layers),
+    })
+    _write_folder(out_dir, config, tensors)
+    return os.fspath(out_dir)
+
+
 # ---- the formats, registered with their kinds in heads/__init__.py ------------------------------------------
 
 SPECULATORS = ExportFormat("speculators", "speculators", export_speculators, import_speculators,
@@ -418,3 +499,30 @@ VLLM_MEDUSA = ExportFormat("vllm", "vLLM Medusa", export_medusa_vllm, import_med
 DFLASH = ExportFormat("dflash", "DFlash (vLLM DFlashDraftModel)", export_dflash, import_dflash,
                       recognizes=lambda config: "DFlashDraftModel" in (config.get("architectures") or []),
                       vllm_method="dflash")
+
+
+def _no_sglang_import(path_or_id, target=None, **hub_kwargs):
+    raise ValueError(f"{path_or_id} is an SGLang (SpecForge) EAGLE-3 checkpoint; heads.export reads the formats it "
+                     "writes for vLLM only: read this one with heads.formats' SpecForge reader")
+
+
+SGLANG = ExportFormat("sglang", "SGLang EAGLE-3 (SpecForge)", export_sglang, _no_sglang_import,
+                      recognizes=lambda config: SGLANG_ARCHITECTURE in (config.get("architectures") or []))
+# format name -> format, for `export(model, out_dir, format=...)` and scripts/export.py
+FORMATS = {f.name: f for f in (SPECULATORS, VLLM_MEDUSA, DFLASH, SGLANG)}
+# what each kind exports to, first the one vLLM serves
+KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "medusa": ("vllm",), "dflash": ("dflash",)}
+
+
+def export(model, out_dir, format: str | None = None) -> str:
+    """Write `model` in `format` (a name in FORMATS; None = the first its kind exports to, the one vLLM serves)."""
+    kind = getattr(model, "kind", None)
+    allowed = KIND_FORMATS.get(kind, ())
+    if format is None and allowed:
+        format = allowed[0]
+    if format not in FORMATS:
+        raise ValueError(f"unknown export format {format!r}; known: {sorted(FORMATS)}")
+    if format not in allowed:
+        raise ValueError(f"a {kind or type(model).__name__} drafter does not export to {format!r}; its formats: "
+                         f"{list(allowed) or 'none (EAGLE-1/2 has no exact vLLM or SGLang layout)'}")
+    return FORMATS[format].export(model, out_dir)
