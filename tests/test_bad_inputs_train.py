@@ -265,7 +265,7 @@ CASES = {
     "malformed json array": (lambda c: load_rows(c.write("d.json", '[\n {"a": 1},\n {"a": 2},\n {"a" 3}\n]\n')),
                              ValueError, "d.json: line 4 is not valid JSON"),
     "json array of non-objects": (lambda c: load_rows(c.write("d.json", '[{"a": 1}, 2]')), ValueError,
-                                  "element 1 of the top-level array is int"),
+                                  "d.json: element 1 of the array is a JSON int, not an object"),
     "missing data file": (lambda c: load_rows(str(c.tmp / "none.jsonl")), ValueError, "does not exist"),
     "empty data file": (lambda c: load_rows(c.write("d.jsonl", "\n")), ValueError, "is empty"),
     "folder as data": (lambda c: load_rows(str(c.tmp)), ValueError, "local data must be a .json, .jsonl"),

@@ -588,12 +588,12 @@ def test_prompt_files(tmp_path):
 @pytest.mark.parametrize(("name", "text", "message"), [
     ("empty.jsonl", "", r"empty\.jsonl holds no prompts \(the file is empty\); write one prompt per line"),
     ("blank.jsonl", "\n  \n", "holds no prompts"),
-    ("broken.jsonl", '"fine"\n{"prompt": "cut\n', r"broken\.jsonl:2: not valid JSON .*fix or remove line 2"),
-    ("fields.jsonl", '{"prompt": "a"}\n{"text": "b"}\n', r"fields\.jsonl:2: an object without any of"),
-    ("number.jsonl", "7\n", r"number\.jsonl:1: a JSON int, not a prompt"),
-    ("turns.jsonl", '{"turns": []}\n', r"turns\.jsonl:1: 'turns' must hold text"),
-    ("blank_prompt.jsonl", '"  "\n', r"blank_prompt\.jsonl:1: the prompt is empty"),
-    ("broken.json", '[\n"a",\n"b"\n', r"broken\.json:4: not valid JSON"),
+    ("broken.jsonl", '"fine"\n{"prompt": "cut\n', r"broken\.jsonl: line 2 is not valid JSON .*fix or remove that line"),
+    ("fields.jsonl", '{"prompt": "a"}\n{"text": "b"}\n', r"fields\.jsonl: line 2: an object without any of"),
+    ("number.jsonl", "7\n", r"number\.jsonl: line 1: a JSON int, not a prompt"),
+    ("turns.jsonl", '{"turns": []}\n', r"turns\.jsonl: line 1: 'turns' must hold text"),
+    ("blank_prompt.jsonl", '"  "\n', r"blank_prompt\.jsonl: line 1: the prompt is empty"),
+    ("broken.json", '[\n"a",\n"b"\n', r"broken\.json: line 4 is not valid JSON"),
     ("element.json", '["a", 3]', r"element\.json: element 1 of the array: a JSON int"),
 ])
 def test_bad_prompt_files_name_the_file_and_line(tmp_path, name, text, message):

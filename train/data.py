@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from infer.jsonfile import json_items
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
@@ -68,28 +70,9 @@ def check_json(text: str, source: str) -> None:
 
     `datasets` reports a malformed line without its number, so the file is read here first.
     """
-    if text.lstrip().startswith("["):
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: line {err.lineno} is not valid JSON ({err.msg}, column {err.colno}); "
-                             "fix that line") from None
-        bad = next((i for i, row in enumerate(rows) if not isinstance(row, dict)), None)
-        if bad is not None:
-            raise ValueError(f"{source}: element {bad} of the top-level array is {type(rows[bad]).__name__}, not "
-                             "an object with the row's fields")
-        return
-    for number, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{source}: line {number} is not valid JSON ({err.msg}, column {err.colno}); fix "
-                             "or remove that line (JSON Lines: one object per line)") from None
+    for where, row in json_items(text, source, "one row object per line"):
         if not isinstance(row, dict):
-            raise ValueError(f"{source}: line {number} is a JSON {type(row).__name__}, not an object; JSON Lines "
-                             "data holds one row object per line")
+            raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object with the row's fields")
 
 
 def detect_format(columns) -> str:

@@ -11,12 +11,12 @@ instead, so what it finds holds for the machine it ran on. Held-out prompts come
 from __future__ import annotations
 
 import functools
-import json
 from pathlib import Path
 
 import torch
 
 from ..drafters.none import NoDrafter
+from ..jsonfile import json_items
 from .cache import device_name
 from .candidates import prior_paths
 from .plan import engine
@@ -39,24 +39,7 @@ def load_prompts(path: str | Path) -> list[str]:
     except UnicodeDecodeError as err:
         raise ValueError(f"{path} is not UTF-8 text ({err.reason} at byte {err.start}); save it as UTF-8 "
                          "JSON Lines") from None
-    if text.lstrip().startswith("["):
-        try:
-            items = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: not valid JSON ({err.msg}, column {err.colno}); fix line "
-                             f"{err.lineno}") from None
-        prompts = [_prompt(item, f"{path}: element {i} of the array") for i, item in enumerate(items)]
-    else:
-        prompts = []
-        for number, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                item = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(f"{path}:{number}: not valid JSON ({err.msg}, column {err.colno}); fix or remove "
-                                 f"line {number} (JSON Lines: {PROMPT_HELP})") from None
-            prompts.append(_prompt(item, f"{path}:{number}"))
+    prompts = [_prompt(item, where) for where, item in json_items(text, str(path), PROMPT_HELP)]
     if not prompts:
         raise ValueError(f"{path} holds no prompts (the file is empty); write {PROMPT_HELP}")
     return prompts
