@@ -1,10 +1,10 @@
-"""scripts/bench.py on a tiny target: output structure, greedy-equality checking, CLI exit codes."""
+"""The benchmark (train/bench/, `python scripts/bench.py`) on a tiny target: output structure, greedy-equality
+checking, CLI exit codes."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,11 +13,10 @@ from conftest import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+from train import bench
+from train.bench import harness, methods
+
 ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-bench = importlib.util.module_from_spec(_spec)
-sys.modules["bench"] = bench  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(bench)
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<user>", "<assistant>", "<unk>"]
 CHAT = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -116,10 +115,9 @@ def test_cli_strict_exit_code(questions_file, tmp_path, monkeypatch):
     assert result["methods"] == ["baseline", "pld", "ngram"]
 
     # The same run with an engine that emits a wrong token must fail under --strict.
-    real = bench.engine_method
-    monkeypatch.setattr(bench, "engine_method", lambda target, drafter, name, *options, **settings: broken_method(target))
+    monkeypatch.setattr(methods, "engine_method",
+                        lambda target, drafter, name, *options, **settings: broken_method(target))
     assert bench.main(argv) == 1
-    monkeypatch.setattr(bench, "engine_method", real)
 
 
 def test_sampled_runs_time_sampling_from_one_seed_and_compare_no_outputs(questions_file, tmp_path):
@@ -144,9 +142,9 @@ def test_sampled_runs_time_sampling_from_one_seed_and_compare_no_outputs(questio
     methods = [bench.hf_method(target, bench.BASELINE, sampling), bench.hf_method(target, "again", sampling)]
     ids = bench.render(tokenizer, [{"role": "user", "content": "w10 w11 w12"}])
     counter = bench.ForwardCounter(target)
-    _, outputs = bench._time_methods(methods, ids, 24, 1, counter, set(), seed=5)
+    _, outputs = bench.time_methods(methods, ids, 24, 1, counter, set(), seed=5)
     assert outputs["baseline"] == outputs["again"]
-    _, other = bench._time_methods(methods, ids, 24, 1, counter, set(), seed=6)
+    _, other = bench.time_methods(methods, ids, 24, 1, counter, set(), seed=6)
     assert other["baseline"] != outputs["baseline"]
     with pytest.raises(SystemExit):  # the greedy-only rows
         bench.main(argv + ["--oracle", "0.5"])
@@ -168,8 +166,8 @@ def test_resume_measures_only_what_an_interrupted_run_left(questions_file, tmp_p
     # turn 2's history (the baseline's untimed reply), so its prompt is the full run's
     (out / "records.jsonl").write_text(records[0] + "\n")
     timed = []
-    real = bench._time_methods
-    monkeypatch.setattr(bench, "_time_methods", lambda methods, ids, *rest, **options: timed.append(ids.shape[1])
+    real = harness.time_methods
+    monkeypatch.setattr(harness, "time_methods", lambda methods, ids, *rest, **options: timed.append(ids.shape[1])
                         or real(methods, ids, *rest, **options))
     assert bench.main([*argv, "--resume"]) == 0
     resumed = json.loads((out / "results.json").read_text())
@@ -205,7 +203,7 @@ def test_load_questions_validates_and_filters(tmp_path, questions_file):
 
 def test_new_tokens_stop_at_eos():
     out = torch.tensor([[5, 6, 7, 2, 0, 0]])
-    assert bench._new_tokens(out, 2, {2}) == [7, 2]
+    assert bench.new_tokens(out, 2, {2}) == [7, 2]
 
 
 def test_push_to_hub_dry_run_puts_measurements_on_the_card(tmp_path, capsys):

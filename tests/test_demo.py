@@ -1,14 +1,11 @@
-"""scripts/demo.py's choices that do not need the real target: which prompts it trains, calibrates and
+"""The demo's choices (train/demo.py, `make demo`) that do not need the real target: which prompts it trains, calibrates and
 benchmarks on, the drafting tree it saves (calibrated where it can be, hand-picked where not), the `none` row
 its benchmark sets beside every drafter, and the plain warnings for a drafter that learned too little or does
 not pay."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,12 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 import heads
 from infer import SelfSpecModel
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))  # demo.py imports bench.py from its folder, as when run
-_spec = importlib.util.spec_from_file_location("demo", ROOT / "scripts" / "demo.py")
-demo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(demo)
+from train import demo
 
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:

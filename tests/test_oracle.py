@@ -3,18 +3,12 @@ error without the answer; and its bench row, with the engine's share of a step a
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import VOCAB, tiny_model
 
 from infer import SelfSpecModel
 from infer.drafters.oracle import OracleDrafter, expected_tokens_per_step
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
@@ -62,12 +56,9 @@ def test_answer_is_required_and_checked(target):
 
 
 def test_bench_oracle_row_reports_engine_share_and_ideal(tmp_path):
-    spec = importlib.util.spec_from_file_location("bench", ROOT / "scripts" / "bench.py")
-    bench = importlib.util.module_from_spec(spec)
-    sys.modules["bench"] = bench
-    spec.loader.exec_module(bench)
-    sys.path.insert(0, str(ROOT / "tests"))
     from test_bench import tiny_target, tiny_tokenizer
+
+    from train import bench
 
     target, tokenizer = tiny_target(), tiny_tokenizer()
     questions = [{"question_id": 1, "category": "a", "turns": ["w10 w11 w12"]},

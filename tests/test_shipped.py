@@ -3,9 +3,7 @@ issue allows, exact on the embedded target they were trained for, with the measu
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +11,8 @@ from conftest import chat
 
 import heads
 from infer import SelfSpecModel
+from train.bench import batches
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["Give three tips for staying healthy.", "Write a haiku about the sea, then explain it."]
 
 
@@ -40,13 +38,10 @@ def test_shipped_drafter_by_name_is_exact_on_its_target(name, smollm2):
 
 @pytest.mark.slow
 def test_the_batch_benchmark_stands_the_shipped_drafter_down_only_by_prediction(smollm2, tmp_path):
-    spec = importlib.util.spec_from_file_location("bench_batches", ROOT / "scripts" / "bench_batches.py")
-    bench_batches = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_batches)
     questions = tmp_path / "questions.jsonl"
     questions.write_text("".join(json.dumps({"turns": [text]}) + "\n" for text in PROMPTS + ["Name a blue fruit."]))
     out = tmp_path / "batches.json"
-    bench_batches.main(["--questions", str(questions), "--batches", "2", "--max-new-tokens", "8", "--out", str(out),
+    batches.main(["--questions", str(questions), "--batches", "2", "--max-new-tokens", "8", "--out", str(out),
                         "--threads", str(torch.get_num_threads())])
     result = json.loads(out.read_text())["batches"]["2"]
     rows = result["rows"]

@@ -21,9 +21,15 @@ import sys
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "vllm_worker.py"
+# vLLM's speculative methods that need no drafter, with the settings selfspec starts them with.
+DRAFTERLESS = {
+    "ngram": {"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2},
+    "suffix": {},  # vLLM's defaults (arctic-inference's suffix trees, up to 24 tokens a step)
+}
 
 
 def default_vllm_python() -> Path:
@@ -36,6 +42,61 @@ def vllm_model_path(target: str) -> str:
     from infer.embedded import EMBEDDED_NAME, embedded_folder
 
     return str(embedded_folder()) if str(target).lower() == EMBEDDED_NAME else str(target)
+
+
+class Speculation(NamedTuple):
+    """What vLLM is started with to draft: see `speculative_config`."""
+
+    config: dict  # vLLM's speculative_config
+    drafter: object | None  # the selfspec drafter exported for it; None for a drafter-less method
+    what: str  # what drafts, in words, for messages
+
+
+def speculative_config(spec: str, *, target: str | None = None, export_dir: str | os.PathLike | None = None,
+                       num_speculative_tokens: int | None = None) -> Speculation:
+    """vLLM's speculative_config for a drafter-less method of vLLM's (`DRAFTERLESS`: ngram, suffix) or a saved
+    selfspec drafter folder, which is first exported to the first format of its kind that vLLM loads, into
+    `export_dir` (default `<drafter>-<format>` beside it; never over a user's files). `target`: the model an
+    export that needs one (Medusa heads sharing the target's lm_head) loads, default the drafter's own.
+    `num_speculative_tokens` defaults to the method's setting or the drafter's tree depth. Used by
+    scripts/bench.py's vLLM rows and scripts/serve.py; a problem the user can fix is a ValueError saying so."""
+    import heads
+    from heads.export import check_out_dir
+
+    if spec in DRAFTERLESS:
+        config = {"method": spec, **DRAFTERLESS[spec]}
+        if num_speculative_tokens is not None:
+            config["num_speculative_tokens"] = num_speculative_tokens
+        return Speculation(config, None, f"vLLM's {spec} drafting")
+    if not Path(spec).is_dir():
+        raise ValueError(f"{spec} is not a folder: pass a saved drafter (a folder with config.json and "
+                         f"model.safetensors, e.g. runs/<run>/drafter) or one of {sorted(DRAFTERLESS)}")
+    try:
+        drafter = heads.load(spec)
+    except (ValueError, OSError) as err:
+        raise ValueError(f"{spec} is not a selfspec drafter: {err}") from None
+    kind = heads.get_kind(drafter.kind)
+    formats = [f for f in kind.exports if f.vllm_method]
+    if not formats:
+        servable = sorted(k.title for k in heads.REGISTRY.values() if any(f.vllm_method for f in k.exports))
+        raise ValueError(f"vLLM cannot serve {kind.title}s: the kind has no export format vLLM loads. Serve one "
+                         f"of {servable}, vLLM's drafter-less {sorted(DRAFTERLESS)}, or use this drafter with "
+                         "selfspec's own engine (infer.SelfSpecModel, scripts/bench.py)")
+    fmt = formats[0]
+    out = Path(export_dir) if export_dir else Path(f"{Path(spec).resolve()}-{fmt.name}")
+    check_out_dir(out)
+    if fmt.needs_target(drafter):  # e.g. Medusa heads sharing the target's lm_head write a copy of it
+        from infer.embedded import resolve_target
+
+        model, tokenizer = resolve_target(target or drafter.config.base_model_name_or_path, dtype="auto")
+        drafter.attach(model, tokenizer)
+    exported = fmt.export(drafter, out)
+    if num_speculative_tokens is None:  # tokens drafted per step along one branch: the tree's depth
+        tree = drafter.config.resolve_tree(drafter.config.tree)
+        num_speculative_tokens = max(map(len, tree["paths"])) if tree.get("paths") else int(tree["depth"])
+    config = {"method": fmt.vllm_method, "model": str(Path(exported).resolve()),
+              "num_speculative_tokens": num_speculative_tokens}
+    return Speculation(config, drafter, f"{fmt.description} export {exported}")
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,253 @@
+"""Benchmark speculative decoding against transformers' own greedy and prompt-lookup decoding.
+
+For every question (MT-bench / Spec-Bench jsonl: `question_id`, `category`, `turns`) the prompt is rendered
+with the target's chat template and generated at batch 1, greedy, by each method in turn, interleaved per
+question so that every method sees the same machine state:
+
+    baseline   target.generate(do_sample=False)                       -- transformers greedy
+    pld        target.generate(prompt_lookup_num_tokens=N)             -- transformers prompt lookup
+    <drafter>  SelfSpecModel(target, drafter, lookup_first=False).generate(...) -- one per --drafter: the
+                       drafter alone, even where its config makes prompt lookup first its default
+    <drafter>+lookup   the same with lookup_first=True: prompt lookup on rows whose context repeats
+    <drafter>+fp32argmax  the same with the target's whole fp32 LM head in a greedy verify (int8_argmax off)
+    <drafter>+fp32draft   the same drafting from the drafter's fp32 weights (int8_drafter off); the suffixes
+                       +compile, +static and +modules set the other SelfSpecModel options of their names
+    oracle:<alpha>     SelfSpecModel drafting the baseline's own answer, each token wrong with probability
+                       1 - alpha (`--oracle`): acceptance is set, drafting is free, so tokens/s against the
+                       ideal (1 - alpha^(K+1)) / (1 - alpha) tokens per plain step is the engine's overhead
+    vllm[-<method>]    vLLM's offline engine from its own environment (`make vllm`), one per --vllm: plain
+                       decoding, its n-gram or suffix drafting, or a trained drafter exported as
+                       scripts/serve.py exports it; tau and acceptance by draft position from vLLM's own
+                       spec-decode counters
+
+Workloads: first turns (default), all turns (`--turns 2`), MT-bench second turns only (`--second-turns`: the
+first turn's reply, part of the prompt, is the target's own greedy one, generated untimed), and repeated
+requests (`--passes 2`: every question asked again after all of them, so a drafter that keeps earlier
+responses, such as `suffix`, can reuse the first pass; each pass gets its own rows in the table).
+
+Per category it reports the mean accepted length tau (new tokens per target forward, the prefill forward
+included; greedy is 1.0 by definition), tokens/s, and speedups over both transformers methods, from the
+median time over `--repeats`. Every greedy output must equal the baseline's token for token; mismatches are
+printed loudly, and `--strict` turns them into a nonzero exit.
+
+`--sample` times sampled generation instead (`--temperature`, `--top-p`, `--top-k`; the baseline is
+transformers' `generate(do_sample=True)` with the same settings). Sampled outputs are not compared: they
+follow the target's distribution, which tests/test_sampling.py checks; every method's run of a question starts
+from the same seed (`--seed` plus the question's place in the run), vLLM rows' too.
+
+    python scripts/bench.py --target smollm2-135m-instruct --questions ../shared/data/mt_bench.jsonl \\
+        --drafter ngram --drafter runs/demo/drafter --out runs/bench/mt_bench
+
+Writes `results.json`, `results.md`, `speedup.png` and `accepted_lengths.png` into `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from train.bench.harness import load_questions, run_bench
+from train.bench.methods import (
+    BASELINE,
+    COMPILE_SUFFIX,
+    FP32_ARGMAX_SUFFIX,
+    FP32_DRAFT_SUFFIX,
+    LOOKUP_SUFFIX,
+    MODULES_SUFFIX,
+    PLD,
+    STATIC_SUFFIX,
+    check_drafter_spec,
+    drafter_method,
+    hf_method,
+    oracle_method,
+    parse_tree,
+    vllm_method,
+)
+from train.bench.report import environment, memory_floor, report_mismatches, to_markdown, write_outputs
+
+
+def at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: a whole number >= low (argparse names the flag in its error)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be a whole number >= {low}, got {value}")
+        return value
+    return parse
+
+
+def number_in(low: float, high: float | None = None, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high] ((low, ...] with `open_low`; no upper bound: None)."""
+    span = (f"in {'(' if open_low else '['}{low:g}, {high:g}]" if high is not None
+            else f"{'>' if open_low else '>='} {low:g}")
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number {span}, got {text!r}") from None
+        above = low < value if open_low else low <= value
+        if not (math.isfinite(value) and above and (high is None or value <= high)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {span}, got {text}")
+        return value
+    return parse
+
+
+def device(text: str) -> str:
+    """An argparse type: a device torch knows the name of (cpu, cuda, cuda:1, mps, ...)."""
+    try:
+        where = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; write cpu, cuda or cuda:<index>") from None
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+                                         "write cpu, or an index below that")
+    return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
+    parser.add_argument("--questions", required=True, help="jsonl with question_id, category, turns")
+    parser.add_argument("--drafter", action="append", default=[],
+                        help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
+                             "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
+                             f"{LOOKUP_SUFFIX!r} (prompt lookup first), {COMPILE_SUFFIX!r} (the drafter's "
+                             f"forwards compiled; with {STATIC_SUFFIX!r} the verify too), {STATIC_SUFFIX!r} "
+                             f"(the target's static KV cache), {MODULES_SUFFIX!r} (verify through the "
+                             f"model's own modules, not the lean forward), {FP32_ARGMAX_SUFFIX!r} (the target's "
+                             f"whole fp32 LM head in a greedy verify) and/or {FP32_DRAFT_SUFFIX!r} (drafting "
+                             "from the drafter's fp32 weights, not int8 copies); repeat for several")
+    parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    parser.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per question and method (median)")
+    parser.add_argument("--turns", type=at_least(1), default=1, help="how many turns of each question to run")
+    parser.add_argument("--second-turns", action="store_true",
+                        help="MT-bench second turns only: the first turn is answered by the baseline (untimed) "
+                             "and is part of the timed second turn's prompt")
+    parser.add_argument("--passes", type=at_least(1), default=1,
+                        help="run the question list this many times in a row; 2 = the repeated-request workload")
+    parser.add_argument("--limit", type=at_least(0), default=0, help="first N questions only (0 = all)")
+    parser.add_argument("--categories", nargs="*", default=None)
+    parser.add_argument("--per-category", type=at_least(0), default=0, help="first N questions of each category (0 = all)")
+    parser.add_argument("--tree", default=None,
+                        help="override trained drafters' tree settings, e.g. depth=4,top_k=4,total_tokens=16")
+    parser.add_argument("--pld-tokens", type=at_least(1), default=10, help="prompt_lookup_num_tokens for the PLD baseline")
+    parser.add_argument("--no-pld", action="store_true", help="skip the transformers prompt-lookup baseline")
+    parser.add_argument("--threads", type=at_least(0), default=0, help="torch threads (0 = all logical CPUs)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", type=device, default="cpu", help="where the target and drafters run, e.g. cuda")
+    parser.add_argument("--oracle", action="append", type=number_in(0, 1), default=[], metavar="ALPHA",
+                        help="a row drafting the baseline's own answer, each token wrong with probability "
+                             "1 - ALPHA (chains of --oracle-depth): engine cost against the ideal; repeatable")
+    parser.add_argument("--oracle-depth", type=at_least(1), default=8, help="chain length of --oracle rows")
+    parser.add_argument("--oracle-static", action="store_true",
+                        help="each --oracle row also with the static KV cache (oracle:ALPHA+static)")
+    parser.add_argument("--vllm", action="append", default=[], metavar="plain|ngram|suffix|DRAFTER",
+                        help="a vLLM row (vLLM's CPU build from `make vllm`, or --vllm-python): plain decoding, "
+                             "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
+    parser.add_argument("--sample", action="store_true",
+                        help="time sampled generation (transformers' sampling as the baseline), not greedy")
+    parser.add_argument("--temperature", type=number_in(0, open_low=True), default=0.7, help="with --sample")
+    parser.add_argument("--top-p", type=number_in(0, 1, open_low=True), default=0.9, help="with --sample (1 = no nucleus filter)")
+    parser.add_argument("--top-k", type=at_least(0), default=0, help="with --sample (0 = no top-k filter)")
+    parser.add_argument("--seed", type=int, default=0, help="with --sample: the first generation's torch seed")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 1 if any selfspec or transformers greedy output differs")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the questions an interrupted run with the same methods wrote to --out's "
+                             "records.jsonl and measure only the rest")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    from infer.embedded import resolve_target
+
+    threads = args.threads or os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    questions = load_questions(args.questions, args.limit, args.categories, args.per_category)
+    if not questions:
+        parser.error("no questions selected")
+    tree = parse_tree(args.tree)
+    for spec in args.drafter:
+        check_drafter_spec(spec)
+    sampling = None
+    if args.sample:
+        if args.oracle:
+            parser.error("--sample: an --oracle row drafts the greedy answer; leave it out")
+        sampling = {"do_sample": True, "temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k}
+    target, tokenizer = resolve_target(args.target, dtype=getattr(torch, args.dtype))
+    target.to(args.device)
+    methods = [hf_method(target, BASELINE, sampling)]
+    if not args.no_pld:
+        methods.append(hf_method(target, PLD, sampling, prompt_lookup_num_tokens=args.pld_tokens))
+    for spec in args.drafter:
+        methods.append(drafter_method(spec, target, tree, sampling))
+    methods += [oracle_method(target, alpha, args.oracle_depth) for alpha in args.oracle]
+    if args.oracle_static:
+        methods += [oracle_method(target, alpha, args.oracle_depth, static_cache=True) for alpha in args.oracle]
+    try:
+        for spec in args.vllm:
+            methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out), sampling))
+        return _run(args, argv, target, tokenizer, questions, methods, sampling)
+    finally:
+        for m in methods:
+            if m.close is not None:
+                m.close()
+
+
+def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | None) -> int:
+    print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
+          f"torch threads: {torch.get_num_threads()}")
+
+    load_before = environment(target, torch.get_num_threads())["load_average"]
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    partial = Path(args.out) / "records.jsonl"  # one line per question as it finishes
+    done = []
+    if args.resume and partial.exists():
+        done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+        print(f"resuming: {len(done)} records measured earlier in {partial}")
+    else:
+        partial.write_text("")
+
+    def keep(record: dict) -> None:
+        with open(partial, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    turns, timed_from = (max(args.turns, 2), 2) if args.second_turns else (args.turns, 1)
+    result = run_bench(target, tokenizer, questions, methods, max_new_tokens=args.max_new_tokens,
+                       repeats=args.repeats, turns=turns, on_record=keep, timed_from_turn=timed_from,
+                       passes=args.passes, done=done, sampling=sampling, seed=args.seed)
+    result["environment"] = environment(target, torch.get_num_threads())
+    result["environment"]["load_average_before"] = load_before
+    if done:  # the earlier part ran on another day or under another load: say so beside the numbers
+        result["environment"]["resumed"] = {"records_measured_before": len(done),
+                                            "resumed_at": result["environment"]["date"]}
+    result["environment"].update(memory_floor(target))
+    result["command"] = " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv)
+    result["settings"].update(target=args.target, questions=args.questions, pld_tokens=None if args.no_pld else
+                              args.pld_tokens, drafters=args.drafter, vllm=args.vllm or None,
+                              oracle=args.oracle or None, oracle_depth=args.oracle_depth if args.oracle else None,
+                              tree=parse_tree(args.tree) or None)
+    paths = write_outputs(result, args.out, plots=not args.no_plots)
+    print(to_markdown(result))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    report_mismatches(result)
+    ours = [m for m in result["mismatches"] if m.get("engine") != "vllm"]
+    return 1 if args.strict and ours else 0
+
