@@ -3,7 +3,6 @@ observed through the engine, greedy equality with calibrated and early-stopping 
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -16,6 +15,7 @@ import torch
 from conftest import tiny_model
 
 import heads
+from heads import calibration
 from heads.card import write_calibration
 from infer import SelfSpecModel, calibrate, policy
 from infer.drafters import LookupFirstDrafter
@@ -34,7 +34,6 @@ from infer.tuning.candidates import (
     ranked_paths,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
 _TARGET: dict = {}
 
 
@@ -603,17 +602,10 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path, name, text, message):
         acceptance.load_prompts(path)
 
 
-def calibrate_script():
-    spec = importlib.util.spec_from_file_location("calibrate_script", ROOT / "scripts" / "calibrate.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
-
-
 def test_missing_prompt_file_fails_before_loading_models(tmp_path):
     missing = tmp_path / "held_out.jsonl"
     with pytest.raises(FileNotFoundError, match=rf"no prompt file at {missing}; pass --prompts"):
-        calibrate_script().main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
+        calibration.main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
 
 
 def saved_target(folder: Path):
@@ -637,7 +629,7 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
     prompts_file = tmp_path / "held_out.jsonl"
     prompts_file.write_text("".join(json.dumps(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(6))) + "\n"
                                     for i in range(3)))
-    calibrate_script().main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+    calibration.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
                              str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
                              "--context", "16", "--repeats", "1", "--threads", "1", "--write"])
     printed = capsys.readouterr().out
@@ -666,7 +658,7 @@ def test_script_can_leave_lookup_first_unmeasured(tmp_path, monkeypatch, capsys)
     heads.build("eagle3", saved_target(tmp_path / "target")).save_pretrained(tmp_path / "drafter")
     prompts_file = tmp_path / "held_out.jsonl"
     prompts_file.write_text(json.dumps("w5 w6 w7 w8 w9 w10") + "\n")
-    calibrate_script().main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+    calibration.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
                              str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
                              "--context", "16", "--repeats", "1", "--threads", "1", "--no-lookup-first", "--write"])
     assert "lookup first" not in capsys.readouterr().out
