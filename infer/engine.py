@@ -40,8 +40,8 @@ from .kv import KVState, forward_block, prompt_tree
 from .options import Plan
 from .sampling import SamplingParams, next_token
 from .target import generation_mode, max_positions
-from .tree import DraftTree
-from .verify import accept_greedy, accept_sampled, accept_typical
+from .tree import MALFORMED, DraftTree
+from .verify import Acceptance, accept_greedy, accept_sampled, accept_typical
 
 # With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
 # a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
@@ -98,9 +98,9 @@ class _Settings:
 
 @dataclass
 class _Rows:
-    """Per-row output of one generate call; `alive` maps cache rows to output rows."""
+    """Per-row output of one generate call, on the host; `alive` maps cache rows to output rows."""
 
-    alive: torch.Tensor  # [B_alive] output row of each live cache row
+    alive: list[int]  # output row of each live cache row
     limit: list[int]  # max new tokens per output row (max_new_tokens, capped by the context length)
     out: list[list[int]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens per verify step, all rows
@@ -113,6 +113,22 @@ class _Rows:
             if tok in eos or len(out) >= self.limit[row]:
                 return True
         return False
+
+
+@dataclass
+class _Read:
+    """What the host learns of a verify step, in its one read of the device: per live row, the nodes kept
+    (the root and accepted drafts: `length`), their indices in the tree, and the new tokens (accepted drafts,
+    then the bonus)."""
+
+    lengths: list[int]
+    paths: list[list[int]]
+    tokens: list[list[int]]
+
+    @property
+    def in_place(self) -> bool:
+        """Every kept node is the block's slot of the same index (nothing to move in the KV cache)."""
+        return all(path[:n] == list(range(n)) for path, n in zip(self.paths, self.lengths, strict=True))
 
 
 class Engine:
@@ -234,31 +250,29 @@ class Engine:
         stats["verify_seconds"] += time.perf_counter() - tic
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
-        done = self._emit(rows, step.next_tokens[:, None], torch.ones_like(step.next_tokens), settings, streamer)
+        done = self._emit(rows, [[t] for t in step.next_tokens.tolist()], settings, streamer)
         self._active.bind(self.target, settings.sampling, input_ids.shape[0], generator)
         self._active.observe(step)
         self._drop_finished(kv, rows, done)
 
-        while len(rows.alive):
+        while rows.alive:
             # 2. Draft a tree below each row's root, no deeper than the row may still emit.
             tic = time.perf_counter()
-            budget = self._budget(rows)
+            budget = self._budget(rows, kv.length.device)
             tree = self._active.propose(budget).prune_deeper_than(budget)
             stats["draft_seconds"] += time.perf_counter() - tic
-            # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV.
+            # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV: the step's one
+            # read of the device (`_Read`) comes between acceptance and the commit.
             tic = time.perf_counter()
-            emitted = torch.tensor([len(rows.out[r]) for r in rows.alive.tolist()], device=tree.tokens.device)
-            step, acc = self._verify(kv, tree, settings, generator, emitted, stats)
+            emitted = torch.tensor([len(rows.out[r]) for r in rows.alive], device=tree.tokens.device)
+            step, acc, seen = self._verify(kv, tree, settings, generator, emitted, stats)
             stats["verify_seconds"] += time.perf_counter() - tic
             if self.step_observer is not None:
                 self.step_observer(tree, acc, budget)
             stats["target_forwards"] += 1
             stats["row_forwards"] += len(rows.alive)
-            # Emitted this step: the accepted drafts (the root was emitted last step), then the bonus.
-            emitted = torch.cat([step.tokens[:, 1:], step.next_tokens[:, None]], dim=1)
-            emitted.scatter_(1, (acc.length - 1)[:, None], step.next_tokens[:, None])
-            done = self._emit(rows, emitted, acc.length, settings, streamer)
-            rows.accepted.extend(acc.length.tolist())
+            done = self._emit(rows, seen.tokens, settings, streamer)
+            rows.accepted.extend(seen.lengths)
             # 6. The drafter learns what was committed.
             tic = time.perf_counter()
             self._active.observe(step)
@@ -289,10 +303,10 @@ class Engine:
                           hidden=self._features(out), prompt_cache=kv.cache)
 
     def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor,
-                stats: dict):
+                stats: dict) -> tuple[TargetStep, Acceptance, _Read]:
         """emitted: [B] new tokens each row has emitted so far, the root included; the target forward's time
         goes into stats["target_seconds"]."""
-        depth, ancestors = tree.depth_and_ancestors()
+        depth, ancestors = tree.structure()  # a malformed tree is caught by the read below
         start = kv.size
         # Scored nodes (if any) ride after the tree nodes; the tree never attends to them.
         tokens, offsets, attend, valid = tree.verify_block(depth, ancestors)
@@ -315,14 +329,17 @@ class Engine:
             acc = accept_sampled(tree, logits, ancestors, settings.sampling, generator)
         else:
             acc = accept_greedy(tree, logits, ancestors, depth)
+        seen = _read_step(tree, acc)
+        acc = acc.trimmed(max(seen.lengths))
         keep = acc.keep
-        kv.commit(start, acc.path, keep)  # scored nodes' slots lie past the path: dropped with the rejected
+        # scored nodes' slots lie past the path: dropped with the rejected
+        kv.commit(start, acc.path, keep, in_place=seen.in_place)
         hidden = tuple(h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1])) for h in self._features(out))
         step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
                           hidden=hidden, next_tokens=acc.bonus)
         if tree.scored is not None:
             step.scored_logits, step.scored_valid = out.logits[:, n:m], tree.scored.valid
-        return step, acc
+        return step, acc, seen
 
     def _verify_forward_block(self, kv: KVState, tokens, offsets, attend, valid):
         """The target on a verify block: its compiled forward where there is one, else eager; a compiled
@@ -391,32 +408,31 @@ class Engine:
                           f"positions: a prompt of {max(prompt_lens)} tokens can get at most {min(limit)} new "
                           "tokens", stacklevel=4)
         b = attention_mask.shape[0]
-        return _Rows(alive=torch.arange(b, device=attention_mask.device), limit=limit, out=[[] for _ in range(b)])
+        return _Rows(alive=list(range(b)), limit=limit, out=[[] for _ in range(b)])
 
-    def _budget(self, rows: _Rows) -> torch.Tensor:
+    def _budget(self, rows: _Rows, device) -> torch.Tensor:
         """Deepest draft depth per live row: drafts plus the bonus must fit the row's remaining tokens."""
-        left = [rows.limit[r] - len(rows.out[r]) - 1 for r in rows.alive.tolist()]
-        return torch.tensor(left, device=rows.alive.device).clamp(min=0)
+        return torch.tensor([max(rows.limit[r] - len(rows.out[r]) - 1, 0) for r in rows.alive], device=device)
 
-    def _emit(self, rows: _Rows, tokens, counts, settings, streamer) -> torch.Tensor:
-        """Append each live row's first `counts[b]` tokens; returns [B_alive] finished flags."""
-        tokens, counts = tokens.tolist(), counts.tolist()
+    def _emit(self, rows: _Rows, tokens: list[list[int]], settings, streamer) -> list[bool]:
+        """Append each live row's new tokens; returns its finished flags."""
         done = []
-        for b, row in enumerate(rows.alive.tolist()):
+        for b, row in enumerate(rows.alive):
             before = len(rows.out[row])
-            done.append(rows.emit(row, tokens[b][:counts[b]], settings.eos))
+            done.append(rows.emit(row, tokens[b], settings.eos))
             if streamer is not None:
                 streamer.put(torch.tensor(rows.out[row][before:]))
-        return torch.tensor(done, dtype=torch.bool, device=rows.alive.device)
+        return done
 
-    def _drop_finished(self, kv, rows: _Rows, done: torch.Tensor) -> None:
-        if not done.any():
+    def _drop_finished(self, kv, rows: _Rows, done: list[bool]) -> None:
+        if not any(done):
             return
-        keep = (~done).nonzero()[:, 0]
-        rows.alive = rows.alive[keep]
-        if len(keep):
-            kv.select_rows(keep)
-            self._active.select_rows(keep)
+        keep = [b for b, finished in enumerate(done) if not finished]
+        rows.alive = [rows.alive[b] for b in keep]
+        if keep:
+            index = torch.tensor(keep, device=kv.length.device)
+            kv.select_rows(index)
+            self._active.select_rows(index)
 
     def _assemble(self, input_ids, rows: _Rows, pad: int) -> torch.Tensor:
         width = max(len(o) for o in rows.out)
@@ -544,6 +560,21 @@ class _CompiledForward:
 
     def __call__(self, *args, **kwargs):
         return self._compiled(*args, **kwargs)
+
+
+def _read_step(tree: DraftTree, acc: Acceptance) -> _Read:
+    """The host's one read of a verify step: the kept paths, their lengths and the new tokens, with the tree's
+    well-formedness, in one `tolist` of one small tensor (each separate read would drain a GPU's queue)."""
+    # path: [B, P] padded past each row's length; the new tokens are the kept drafts (not the root), then the bonus
+    b, p = acc.path.shape
+    packed = torch.cat([acc.length[:, None], tree.malformed()[:, None].long(), acc.bonus[:, None], acc.path,
+                        tree.tokens.gather(1, acc.path)], dim=1).tolist()
+    if any(row[1] for row in packed):
+        raise ValueError(MALFORMED)
+    lengths = [row[0] for row in packed]
+    paths = [row[3:3 + p] for row in packed]
+    tokens = [row[3 + p + 1:3 + p + n] + [row[2]] for row, n in zip(packed, lengths, strict=True)]
+    return _Read(lengths, paths, tokens)
 
 
 def _pad_block(tokens, offsets, attend, valid, size: int):

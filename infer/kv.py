@@ -276,7 +276,7 @@ class KVState:
 
     def commit_block(self, start: int, valid: torch.Tensor) -> None:
         """Keep the valid slots of the block written at `start` (a prompt or catch-up block), in order."""
-        self.commit(start, torch.arange(valid.shape[1], device=valid.device).expand_as(valid), valid)
+        self.commit(start, torch.arange(valid.shape[1], device=valid.device).expand_as(valid), valid, in_place=True)
 
     def appended(self, position_ids: torch.Tensor, node_valid: torch.Tensor) -> None:
         """Record slots the model's forward just appended to the cache (not yet committed)."""
@@ -286,16 +286,19 @@ class KVState:
         self._pos[:, self._size:self._size + n] = position_ids
         self._size += n
 
-    def commit(self, start: int, slots: torch.Tensor, keep: torch.Tensor) -> None:
+    def commit(self, start: int, slots: torch.Tensor, keep: torch.Tensor, in_place: bool | None = None) -> None:
         """Keep slots `start + slots[b, j]` (where `keep[b, j]`) at `start + j`; drop everything after.
 
-        slots, keep: [B, A]. The kept entries are gathered into place, never recomputed.
+        slots, keep: [B, A]. The kept entries are gathered into place, never recomputed. `in_place`: whether
+        every kept slot is already where it goes (slots[b, j] == j wherever keep[b, j]), as a caller that read
+        the slots on the host knows; None = looked up here (a host read).
         """
         index = start + slots
         width = slots.shape[1]
         # The kept slots often are the block's first ones already (the root, then its first child, ...):
         # nothing to move then, only the rest to drop.
-        in_place = bool((slots == torch.arange(width, device=slots.device)).all())
+        if in_place is None:
+            in_place = bool((slots == torch.arange(width, device=slots.device)).all())
         for layer in self.cache.layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue

@@ -15,7 +15,7 @@ cannot depend on them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,6 +54,8 @@ class DraftTree:
     # [B, N] float or None: the drafter's confidence in each node (EAGLE: cumulative draft log-prob), for
     # observers of the engine (tree calibration ranks nodes by it); never read by verification.
     scores: torch.Tensor | None = None
+    # (depth, ancestors) once computed: they depend on `parents` only, which a pruned copy shares
+    _structure: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         b, n = self.tokens.shape
@@ -74,19 +76,34 @@ class DraftTree:
         return self.tokens.shape[1]
 
     def depth_and_ancestors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """depth: [B, N] (root 0); ancestors: [B, N, N] bool, ancestors[b, i, j] = j is i or an ancestor of i."""
-        return depth_and_ancestors(self.parents, self.valid)
+        """depth: [B, N] (root 0); ancestors: [B, N, N] bool, ancestors[b, i, j] = j is i or an ancestor of i.
+        Raises ValueError for a valid node below an invalid one (a read on the host: the engine's loop uses
+        `structure` and `malformed` instead, and reads the flag with the step's other results)."""
+        depth, ancestors = self.structure()
+        if bool(self.malformed().any()):
+            raise ValueError(MALFORMED)
+        return depth, ancestors
+
+    def structure(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`depth_and_ancestors` without the check, computed once per tree and without a host read."""
+        if self._structure is None:
+            self._structure = tree_structure(self.parents)
+        return self._structure
+
+    def malformed(self) -> torch.Tensor:
+        """[B] bool: the row has a valid node below an invalid one (a drafter's bug)."""
+        return malformed_rows(self.structure()[1], self.valid)
 
     def prune_deeper_than(self, max_depth: torch.Tensor) -> DraftTree:
         """Invalidate nodes deeper than `max_depth[b]` (so a row never drafts past its token budget); scored
         nodes too, so no position id passes the target's context (an invalid one is moved onto the root's)."""
-        depth, _ = self.depth_and_ancestors()
+        depth, _ = self.structure()
         scored = self.scored
         if scored is not None:
             ok = scored.valid & (scored.offsets <= max_depth[:, None])
             scored = ScoredNodes(scored.tokens, torch.where(ok, scored.offsets, 0), scored.attend, ok)
         return DraftTree(self.tokens, self.parents, self.valid & (depth <= max_depth[:, None]), self.q, scored,
-                         self.scores)
+                         self.scores, self._structure)
 
     def verify_block(self, depth: torch.Tensor, ancestors: torch.Tensor):
         """What the verify forward runs: tokens [B, M], position offsets [B, M], attend [B, M, M] and valid
@@ -101,28 +118,38 @@ class DraftTree:
                 torch.cat([tree_rows, s.attend], 1), torch.cat([self.valid, s.valid], 1))
 
 
+MALFORMED = "draft tree has a valid node below an invalid parent"
+
+
 def depth_and_ancestors(parents: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    # parents: [B, N]; valid: [B, N]
-    b, n = parents.shape
-    eye = torch.eye(n, dtype=torch.bool, device=parents.device).expand(b, n, n)
-    # step[b, i, j]: j is the parent of i
-    has_parent = parents >= 0
-    step = torch.zeros(b, n, n, dtype=torch.bool, device=parents.device)
-    step.scatter_(2, parents.clamp(min=0)[..., None], has_parent[..., None])
-    ancestors = eye.clone()
-    reach = eye.float()
-    stepf = step.float()
-    for _ in range(n - 1):
-        reach = reach @ stepf  # reach[b, i, j]: j is the k-th ancestor of i
-        if not reach.any():
-            break
-        ancestors |= reach.bool()
-    depth = ancestors.sum(-1) - 1
-    # A node is usable only if its whole ancestry is valid.
-    ancestry_ok = ~(ancestors & ~valid[:, None, :]).any(-1)
-    if (valid & ~ancestry_ok).any():
-        raise ValueError("draft tree has a valid node below an invalid parent")
+    """`DraftTree.depth_and_ancestors` for bare tables: raises ValueError where a valid node has an invalid
+    ancestor (a node is usable only if its whole ancestry is)."""
+    depth, ancestors = tree_structure(parents)
+    if bool(malformed_rows(ancestors, valid).any()):
+        raise ValueError(MALFORMED)
     return depth, ancestors
+
+
+def malformed_rows(ancestors: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """[B] bool: the row has a valid node with an invalid ancestor. ancestors: [B, N, N]; valid: [B, N]"""
+    return (valid & (ancestors & ~valid[:, None, :]).any(-1)).any(1)
+
+
+def tree_structure(parents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """depth [B, N] and ancestors [B, N, N] of parent tables [B, N], in a fixed number of ops for N nodes.
+
+    The ancestor relation is the reflexive-transitive closure of "is the parent of", found by squaring: after k
+    squarings every ancestor up to 2**k generations away is in, so ceil(log2 N) squarings find them all, with no
+    look at the data to stop early (a look would be a host read, which stalls a GPU's queue)."""
+    b, n = parents.shape
+    # closure[b, i, j]: j is i or i's parent, then (after squaring) any ancestor of i
+    closure = torch.eye(n, device=parents.device).expand(b, n, n).clone()
+    closure.scatter_add_(2, parents.clamp(min=0)[..., None], (parents >= 0)[..., None].float())
+    closure = (closure > 0).float()
+    for _ in range(max(n - 1, 0).bit_length()):
+        closure = ((closure @ closure) > 0).float()  # binarized each time: path counts would overflow float32
+    ancestors = closure.bool()
+    return ancestors.sum(-1) - 1, ancestors
 
 
 def tree_from_paths(paths: list[tuple[int, ...]]) -> tuple[torch.Tensor, torch.Tensor]:

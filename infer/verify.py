@@ -36,15 +36,20 @@ class Acceptance:
         a = self.path.shape[1]
         return torch.arange(a, device=self.path.device)[None, :] < self.length[:, None]
 
+    def trimmed(self, width: int) -> Acceptance:
+        """The same acceptance with paths `width` wide (at least the longest `length`, which the caller read)."""
+        return Acceptance(path=self.path[:, :width], length=self.length, bonus=self.bonus)
+
 
 def _path_to(nodes: torch.Tensor, ancestors: torch.Tensor) -> Acceptance:
-    """The root-to-`nodes[b]` paths as padded index tables (bonus left unset)."""
+    """The root-to-`nodes[b]` paths as index tables as wide as the tree, padded past each `length` (bonus left
+    unset). The width is the tree's, not the longest path's, so that finding it reads nothing on the host; the
+    engine trims the paths once it has read the lengths."""
     b, n = ancestors.shape[:2]
-    on_path = ancestors[torch.arange(b), nodes]  # [B, N]; parents precede children so index order = depth
+    on_path = ancestors[torch.arange(b, device=nodes.device), nodes]  # [B, N]; parents precede children: index = depth
     length = on_path.sum(1)
     order = torch.where(on_path, torch.arange(n, device=nodes.device), n).sort(1).values
-    width = int(length.max())
-    return Acceptance(path=order[:, :width].clamp(max=n - 1), length=length, bonus=nodes.new_zeros(b))
+    return Acceptance(path=order.clamp(max=n - 1), length=length, bonus=nodes.new_zeros(b))
 
 
 def accept_greedy(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor):
