@@ -22,7 +22,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 
 from infer.embedded import beside_a_local_folder, looks_local
 
-from . import export
+from . import export, formats
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint
 from .dflash import DFlashConfig, DFlashModel
 from .dflash import objective as dflash_objective
@@ -127,16 +127,76 @@ def check_source(path_or_hub_id, subfolder: str = "") -> None:
 _BASE_ONLY = set(PretrainedConfig.__dataclass_fields__)
 
 
-def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
-    """Load a saved drafter of any kind from a folder, a hub id or a shipped drafter's name (safetensors only).
+def load(path_or_hub_id, *, target=None, **hf_kwargs) -> DrafterModel:
+    """Load a drafter from a folder, a hub id or a shipped drafter's name: one saved by selfspec (safetensors
+    only), or one published in another project's format (heads/formats/: EAGLE-3 from EAGLE's authors, SpecForge
+    or speculators, Medusa from FasterDecoding, DFlash from z-lab), recognised from its config and files.
 
-    Shipped drafters are stored in half precision and load in fp32, the embedded target's dtype, unless
-    `dtype=` says otherwise."""
+    `target` (a model, or its config) is the target the drafter will serve: a foreign checkpoint is checked
+    against it (hidden size, vocabulary, draft-vocabulary map, embedding) before anything is built, and reads
+    from it what its format does not record (the target's layer count, DFlash's mask embedding). Shipped
+    drafters are stored in half precision and load in fp32, the embedded target's dtype, unless `dtype=` says
+    otherwise."""
     resolved = resolve_drafter(path_or_hub_id)
     if resolved is not path_or_hub_id:
         hf_kwargs.setdefault("dtype", torch.float32)
     path_or_hub_id = resolved
+    fmt, config_dict = _recognise(path_or_hub_id, **hf_kwargs)
+    if fmt is None:
+        kind = next(k for k in REGISTRY.values() if k.config_cls.model_type == config_dict.get("model_type"))
+        return _check_finite(kind.model_cls.from_pretrained(path_or_hub_id, **hf_kwargs), path_or_hub_id)
+    hub_kwargs = {k: hf_kwargs.pop(k) for k in _HUB_KWARGS if k in hf_kwargs}
+    dtype = hf_kwargs.pop("dtype", None)
+    if hf_kwargs:
+        raise TypeError(f"{', '.join(sorted(hf_kwargs))}: not an option for a checkpoint in another project's format "
+                        f"(these are: target, dtype, {', '.join(_HUB_KWARGS)})")
+    model = fmt.load(path_or_hub_id, config_dict, target=target, **hub_kwargs)
+    if dtype is not None and dtype != "auto":
+        model.to(dtype=getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    return _check_finite(model, path_or_hub_id)
+
+
+def imported_format(path_or_hub_id, **hf_kwargs) -> formats.Format | None:
+    """The foreign format (heads/formats/) a drafter checkpoint is in, or None for one saved by selfspec; an
+    error listing the known formats for anything else."""
+    return _recognise(resolve_drafter(path_or_hub_id), **hf_kwargs)[0]
+
+
+def target_name(path_or_hub_id, **hf_kwargs) -> str | None:
+    """The target a saved or published drafter names (its `base_model_name_or_path`, a speculators verifier,
+    Medusa's base model), read from its config alone; None where it names none (EAGLE's authors', SpecForge)."""
+    fmt, config_dict = _recognise(resolve_drafter(path_or_hub_id), **hf_kwargs)
+    return config_dict.get("base_model_name_or_path") if fmt is None else fmt.target_name(config_dict)
+
+
+def _recognise(path_or_hub_id, **hf_kwargs) -> tuple[formats.Format | None, dict]:
+    """(None, config) for a selfspec drafter, (its format, config) for a foreign one, else a ValueError naming the
+    known formats."""
     check_source(path_or_hub_id, hf_kwargs.get("subfolder", ""))
+    config_dict = _config_dict(path_or_hub_id, **hf_kwargs)
+    model_type = config_dict.get("model_type")
+    if any(kind.config_cls.model_type == model_type for kind in REGISTRY.values()):
+        return None, config_dict
+    hub_kwargs = {k: hf_kwargs[k] for k in _HUB_KWARGS if k in hf_kwargs}
+    matches = formats.detect(config_dict, formats.files_of(path_or_hub_id, **hub_kwargs))
+    if len(matches) == 1:
+        return matches[0], config_dict
+    if matches:  # the detectors are meant to exclude one another: a checkpoint two claim is not guessed at
+        raise ValueError(f"{path_or_hub_id} is recognised as several formats ({[f.name for f in matches]}); "
+                         "remove the files of the ones it is not")
+    exports = [f for kind in REGISTRY.values() for f in kind.exports if f.recognizes(config_dict)]
+    hint = f"\nIt is a {exports[0].description} checkpoint: use heads.export.{exports[0].load.__name__}(folder)." \
+        if exports else ""
+    known = sorted(kind.config_cls.model_type for kind in REGISTRY.values())
+    raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}: not a selfspec drafter ({known}), nor a "
+                     f"checkpoint in a format selfspec imports:\n{formats.known()}{hint}")
+
+
+# what locates a checkpoint on the hub (passed to the file lookups of foreign formats)
+_HUB_KWARGS = ("cache_dir", "force_download", "local_files_only", "token", "revision", "subfolder")
+
+
+def _config_dict(path_or_hub_id, **hf_kwargs) -> dict:
     try:
         config_dict, _ = PretrainedConfig.get_config_dict(path_or_hub_id, **hf_kwargs)
     except OSError as err:
@@ -149,15 +209,7 @@ def load(path_or_hub_id, **hf_kwargs) -> DrafterModel:
                                     f"a hub id: {err}") from err
         raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, not a shipped drafter ({shipped}), and "
                       f"as a hub id: {err}") from err
-    model_type = config_dict.get("model_type")
-    for kind in REGISTRY.values():
-        if kind.config_cls.model_type == model_type:
-            return _check_finite(kind.model_cls.from_pretrained(path_or_hub_id, **hf_kwargs), path_or_hub_id)
-    formats = [f for kind in REGISTRY.values() for f in kind.exports if f.recognizes(config_dict)]
-    hint = f" It is a {formats[0].description} checkpoint: use heads.export.{formats[0].load.__name__}(folder)." \
-        if formats else ""
-    known = sorted(kind.config_cls.model_type for kind in REGISTRY.values())
-    raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}, not a selfspec drafter ({known}).{hint}")
+    return config_dict
 
 
 def _check_finite(model: DrafterModel, source) -> DrafterModel:
@@ -170,7 +222,7 @@ def _check_finite(model: DrafterModel, source) -> DrafterModel:
 
 
 __all__ = [
-    "REGISTRY", "Kind", "ExportFormat", "register", "get_kind", "build", "load", "tokenizer_fingerprint", "build_vocab_map",
+    "REGISTRY", "Kind", "ExportFormat", "register", "get_kind", "build", "load", "imported_format", "target_name", "tokenizer_fingerprint", "build_vocab_map",
     "DrafterConfig", "DrafterModel", "MedusaConfig", "MedusaModel", "EagleConfig", "EagleModel",
     "Eagle3Config", "Eagle3Model", "DFlashConfig", "DFlashModel",
 ]

@@ -64,18 +64,27 @@ class SelfSpecModel(Engine):
             raise TypeError(f"{', '.join(sorted(kwargs))}: neither a SelfSpecModel option nor usable with target= "
                             "given (keywords other than SelfSpecModel's load the recorded target); load your "
                             "target with them yourself")
-        drafter = heads.load(drafter_path_or_hub_id)
-        adapter = (drafter.config.training or {}).get("target_adapter")
         if target is None:
-            name = drafter.config.base_model_name_or_path
+            # A selfspec drafter loads first, so a bad one is refused before its target loads; a checkpoint in
+            # another project's format loads after its target, against which it is checked.
+            drafter = heads.load(drafter_path_or_hub_id) if heads.imported_format(drafter_path_or_hub_id) is None \
+                else None
+            name = (drafter.config.base_model_name_or_path if drafter is not None
+                    else heads.target_name(drafter_path_or_hub_id))
             if not name:
-                raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path; pass target=")
+                raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path (nor names its target "
+                                 "otherwise); pass target=")
             from .embedded import resolve_target
 
             target, tokenizer = resolve_target(name, **kwargs)
+            if drafter is None:
+                drafter = heads.load(drafter_path_or_hub_id, target=target)
+            adapter = (drafter.config.training or {}).get("target_adapter")
             if adapter:
                 target = _merge_adapter(target, heads.resolve_drafter(drafter_path_or_hub_id), adapter)
             return cls(target, drafter, tokenizer=tokenizer, tree=tree, **options)
+        drafter = heads.load(drafter_path_or_hub_id, target=target)
+        adapter = (drafter.config.training or {}).get("target_adapter")
         if adapter:
             warnings.warn(f"{drafter_path_or_hub_id} was trained with LoRA on its target (Medusa-2); the "
                           f"target you passed must already carry the adapter in '{adapter}/'", stacklevel=2)

@@ -1,0 +1,53 @@
+"""EAGLE-3 drafters in vLLM's speculators format (vllm-project/speculators, `Eagle3Speculator`), ours from
+`heads.export.export_speculators` included.
+
+`heads.export.import_speculators` maps the weights (`layers.0.*` with `layers.0.hidden_norm`, `fc`, `norm`,
+`lm_head`, `d2t`, `t2d`; `eagle_aux_hidden_state_layer_ids` are hidden_states indices, the residual stream vLLM
+captures entering those layers); here the checkpoint is first checked against the target, and speculators' options
+our drafter does not compute are refused: `norm_before_fc` (one RMSNorm over the concatenated features), `fc_norm`
+(one per feature) and `norm_output` (feeding the normed hidden state back across steps).
+"""
+
+from __future__ import annotations
+
+from safetensors import safe_open
+
+from ..eagle3 import Eagle3Model
+from ..export import import_speculators
+from .common import check_embedding, check_fits, check_vocab_map, finish, resolve_file
+
+NAME = "speculators"
+DESCRIPTION = "EAGLE-3, speculators format (speculators_model_type: eagle3; vLLM serves it)"
+ALGORITHMS = ("eagle3",)
+
+
+def detect(config: dict, files: frozenset[str]) -> bool:
+    return "speculators_model_type" in config
+
+
+def target_name(config: dict) -> str | None:
+    selfspec = config.get("selfspec") or {}
+    verifier = (config.get("speculators_config") or {}).get("verifier") or {}
+    return selfspec.get("base_model_name_or_path") or verifier.get("name_or_path")
+
+
+def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
+    what = f"speculators checkpoint {path_or_id}"
+    algorithm = config.get("speculators_model_type")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"{what} is a speculators {algorithm!r} drafter; selfspec imports {list(ALGORITHMS)}")
+    flags = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if config.get(f)]
+    if flags:
+        raise ValueError(f"{what} sets {flags}, which selfspec's EAGLE-3 drafter does not compute")
+    layer = config.get("transformer_layer_config") or {}
+    vocab, draft_vocab = layer.get("vocab_size"), config.get("draft_vocab_size")
+    check_fits(what, target, hidden_size=config.get("target_hidden_size") or layer.get("hidden_size"),
+               vocab_size=vocab)
+    weights = resolve_file(path_or_id, "model.safetensors", **hub_kwargs)
+    if weights is not None:  # the map and embedding are checked before the whole file is read
+        with safe_open(weights, framework="pt") as f:
+            small = {k: f.get_tensor(k) for k in ("d2t", "t2d", "embed_tokens.weight") if k in f.keys()}
+        check_embedding(what, small, "embed_tokens.weight", target)
+        if "d2t" in small and vocab and draft_vocab:
+            check_vocab_map(what, small["d2t"], small.get("t2d"), draft_vocab, vocab)
+    return finish(import_speculators(path_or_id, target=target, **hub_kwargs), target)

@@ -1,0 +1,366 @@
+"""Drafters published in other projects' formats (heads/formats/): each tiny checkpoint, written as its project
+writes it, loads through heads.load and SelfSpecModel.from_pretrained, keeps greedy output identical to the
+target's, and drafts first what that project's math gives, computed here from the math alone; checkpoints that
+do not fit the target, or whose format is unknown, are refused by name before any generation."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from foreign_checkpoints import (
+    FORMATS,
+    WRITERS,
+    target_model,
+    write_dflash_zlab,
+    write_eagle_authors,
+    write_medusa_fd,
+    write_specforge,
+    write_speculators,
+)
+from safetensors.torch import save_file
+
+import heads
+from infer import SelfSpecModel
+from infer.drafting import TargetStep
+from infer.sampling import SamplingParams
+
+_TARGET = {}
+
+
+def target():
+    if "t" not in _TARGET:
+        _TARGET["t"] = target_model()
+    return _TARGET["t"]
+
+
+PROMPT = torch.tensor([[5, 17, 42, 8, 66, 23, 9, 71, 30]])
+
+# ---- the reference math, written from each project's description of its model ---------------------------------
+
+
+def rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def rotate(x, positions, theta):
+    """Rotary embedding of x [H, T, hd] at integer positions [T]: pairs (i, i + hd/2) rotated by pos * theta^(-2i/hd)."""
+    half = x.shape[-1] // 2
+    angle = positions[:, None].double() * theta ** (-torch.arange(half).double() * 2 / x.shape[-1])
+    cos, sin = angle.cos().float(), angle.sin().float()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def attend(q, k, v, allowed):
+    """Softmax attention, q [H, Tq, hd], k/v [KV, Tk, hd] shared by H/KV query heads each; allowed [Tq, Tk]."""
+    group = q.shape[0] // k.shape[0]
+    k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+    scores = (q @ k.transpose(1, 2)) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return (scores.softmax(-1) @ v).transpose(0, 1).reshape(q.shape[1], -1)  # [Tq, H*hd]
+
+
+def swiglu(x, w, p):
+    return F.silu(x @ w[p + "mlp.gate_proj.weight"].T) * (x @ w[p + "mlp.up_proj.weight"].T) @ w[p + "mlp.down_proj.weight"].T
+
+
+def target_pass(t, ids):
+    with torch.no_grad():
+        out = t(ids, output_hidden_states=True)
+    return out, out.logits[0, -1].argmax()
+
+
+def eagle3_reference(t, ids, ckpt, k: int):
+    """EAGLE-3's first draft step: the target features at the chosen layers through fc; the layer over
+    [input_layernorm(embedding of token t+1), hidden_norm(feature t)] (residual: the feature, or its norm with
+    norm_before_residual), causal attention with RoPE; logits = lm_head(norm(h)) at the last position, its top-k
+    mapped to target ids by d2t. Returns (top-k target ids, draft logits)."""
+    w = {key: v.float() for key, v in ckpt["weights"].items()}
+    p, eps, cfg = ckpt["prefix"], ckpt["eps"], t.config
+    out, root = target_pass(t, ids)
+    feats = torch.cat([out.hidden_states[i][0] for i in ckpt["layers"]], dim=-1)
+    tokens = torch.cat([ids[0, 1:], root[None]])
+    with torch.no_grad():
+        emb = t.get_input_embeddings()(tokens)
+    h = feats @ w["fc.weight"].T
+    normed = rms(h, w[ckpt["hidden_norm"]], eps)
+    x = torch.cat([rms(emb, w[p + "input_layernorm.weight"], eps), normed], dim=-1)
+    residual = normed if ckpt["norm_before_residual"] else h
+    n, hd = len(tokens), cfg.hidden_size // cfg.num_attention_heads
+    pos = torch.arange(n)
+    q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
+    kk = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
+    v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
+    a = attend(rotate(q, pos, ckpt["rope_theta"]), rotate(kk, pos, ckpt["rope_theta"]), v,
+               torch.ones(n, n, dtype=torch.bool).tril())
+    h = residual + a @ w[p + "self_attn.o_proj.weight"].T
+    h = h + swiglu(rms(h, w[p + "post_attention_layernorm.weight"], eps), w, p)
+    logits = rms(h[-1], w["norm.weight"], eps) @ w["lm_head.weight"].T
+    top = logits.topk(k).indices
+    return top + ckpt["weights"]["d2t"][top], logits
+
+
+def medusa_reference(t, ids, ckpt, k: int):
+    """Medusa head i on the target's last hidden state: x + SiLU(W x + b) per block, then its own lm_head.
+    Returns the top-k token ids per head, [K, k]."""
+    w = {key: v.float() for key, v in ckpt["weights"].items()}
+    out, _ = target_pass(t, ids)
+    h = out.hidden_states[-1][0, -1]
+    tops = []
+    for i in range(ckpt["config"]["medusa_num_heads"]):
+        x = h
+        for j in range(ckpt["num_layers"]):
+            x = x + F.silu(x @ w[f"{i}.{j}.linear.weight"].T + w[f"{i}.{j}.linear.bias"])
+        tops.append((x @ w[f"{i}.{ckpt['num_layers']}.weight"].T).topk(k).indices)
+    return torch.stack(tops)
+
+
+def dflash_reference(t, ids, ckpt):
+    """DFlash's block: context = hidden_norm(fc(target hidden_states[id + 1] for id in target_layer_ids)); the block
+    [embedding of the root, embedding of mask_token_id, ...] attends, not causally, to the whole context and itself;
+    queries from the input-normed block (q_norm), keys/values from the context (no input norm; k_norm) and the
+    block, RoPE at each slot's position; mask slots read through norm and the target's lm_head. Returns the argmax
+    of each mask slot."""
+    w = {key: v.float() for key, v in ckpt["weights"].items()}
+    cfg = ckpt["config"]
+    eps, theta, hd = cfg["rms_norm_eps"], cfg["rope_parameters"]["rope_theta"], cfg["head_dim"]
+    out, root = target_pass(t, ids)
+    ctx_ids = cfg["dflash_config"]["target_layer_ids"]
+    ctx = rms(torch.cat([out.hidden_states[i + 1][0] for i in ctx_ids], -1) @ w["fc.weight"].T,
+              w["hidden_norm.weight"], eps)
+    size, c = cfg["block_size"], ctx.shape[0]
+    with torch.no_grad():
+        block = t.get_input_embeddings()(torch.tensor([int(root)] + [cfg["dflash_config"]["mask_token_id"]] * (size - 1)))
+    ctx_pos, block_pos = torch.arange(c), torch.arange(c, c + size)
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"layers.{n}.self_attn."
+        x = rms(block, w[f"layers.{n}.input_layernorm.weight"], eps)
+        q = rms((x @ w[p + "q_proj.weight"].T).view(size, -1, hd), w[p + "q_norm.weight"], eps).transpose(0, 1)
+        kv_in = torch.cat([ctx, x])
+        k = rms((kv_in @ w[p + "k_proj.weight"].T).view(c + size, -1, hd), w[p + "k_norm.weight"], eps).transpose(0, 1)
+        v = (kv_in @ w[p + "v_proj.weight"].T).view(c + size, -1, hd).transpose(0, 1)
+        positions = torch.cat([ctx_pos, block_pos])
+        a = attend(rotate(q, block_pos, theta), rotate(k, positions, theta), v,
+                   torch.ones(size, c + size, dtype=torch.bool))
+        block = block + a @ w[p + "o_proj.weight"].T
+        block = block + swiglu(rms(block, w[f"layers.{n}.post_attention_layernorm.weight"], eps), w, f"layers.{n}.")
+    logits = rms(block[1:], w["norm.weight"], eps) @ t.get_output_embeddings().weight.detach().T
+    return logits.argmax(-1)
+
+
+# ---- loading, exactness, first proposals ------------------------------------------------------------------------
+
+
+def first_tree(drafter_model, t, ids, **tree):
+    drafter = drafter_model.as_drafter(**tree)
+    drafter.bind(t, SamplingParams(), batch_size=1)
+    out, root = target_pass(t, ids)
+    drafter.observe(TargetStep(tokens=ids, valid=torch.ones_like(ids, dtype=torch.bool),
+                               hidden=tuple(out.hidden_states[i] for i in drafter.feature_layers),
+                               next_tokens=root[None]))
+    with torch.no_grad():
+        return drafter, drafter.propose(torch.tensor([16]))
+
+
+def children_of_root(tree) -> list[int]:
+    return sorted(int(tok) for tok, par, ok in zip(tree.tokens[0], tree.parents[0], tree.valid[0], strict=True)
+                  if ok and par == 0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_import_loads_the_right_kind_and_stays_exact(fmt, tmp_path):
+    t = target()
+    WRITERS[fmt](tmp_path, t)
+    assert heads.imported_format(tmp_path).name == fmt
+    model = heads.load(tmp_path, target=t)
+    assert model.kind == {"medusa_fd": "medusa", "dflash_zlab": "dflash"}.get(fmt, "eagle3")
+    assert model.dtype == torch.float32
+    expected = t.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path), target=t)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24, eos_token_id=[]), expected)
+
+
+@pytest.mark.parametrize("fmt", ["eagle_authors", "specforge", "speculators"])
+def test_eagle3_first_proposals_match_the_reference(fmt, tmp_path):
+    t = target()
+    ckpt = WRITERS[fmt](tmp_path, t)
+    model = heads.load(tmp_path, target=t)
+    expected_ids, expected_logits = eagle3_reference(t, PROMPT, ckpt, k=4)
+    _, tree = first_tree(model, t, PROMPT, top_k=4, depth=1, total_tokens=4)
+    assert children_of_root(tree) == sorted(expected_ids.tolist())
+    # the drafter's own logits for that step, to the reference's precision
+    out, root = target_pass(t, PROMPT)
+    feats = model.fuse_features(tuple(out.hidden_states[i] for i in model.feature_layers))
+    with torch.no_grad():
+        _, logits = model(torch.cat([PROMPT[:, 1:], root.view(1, 1)], dim=1), feats, fused=True)
+    torch.testing.assert_close(logits[0, -1], expected_logits, atol=2e-4, rtol=2e-4)
+
+
+def test_eagle_authors_full_draft_vocabulary_ignores_the_map(tmp_path):
+    """Their code drafts target ids directly when the draft vocabulary is the whole vocabulary, whatever d2t holds."""
+    t = target()
+    ckpt = write_eagle_authors(tmp_path, t, draft_vocab=t.config.vocab_size)
+    model = heads.load(tmp_path, target=t)
+    assert int(model.d2t.abs().sum()) == 0 and bool(model.t2d.all())
+    ckpt["weights"]["d2t"] = torch.zeros_like(ckpt["weights"]["d2t"])
+    expected_ids, _ = eagle3_reference(t, PROMPT, ckpt, k=4)
+    assert children_of_root(first_tree(model, t, PROMPT, top_k=4, depth=1, total_tokens=4)[1]) == \
+        sorted(expected_ids.tolist())
+
+
+@pytest.mark.parametrize("pt,num_layers", [(False, 1), (True, 2)], ids=["safetensors", "pt-two-blocks"])
+def test_medusa_first_proposals_match_the_reference(pt, num_layers, tmp_path):
+    t = target()
+    ckpt = write_medusa_fd(tmp_path, t, num_layers=num_layers, pt=pt)
+    model = heads.load(tmp_path, target=t)
+    assert model.config.num_layers == num_layers
+    top = medusa_reference(t, PROMPT, ckpt, k=3)
+    paths = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    drafter, tree = first_tree(model, t, PROMPT, paths=paths)
+    for node in range(1, tree.tokens.shape[1]):
+        depth, rank = int(drafter.depth[node]), int(drafter.ranks[node])
+        assert int(tree.tokens[0, node]) == int(top[depth - 1, rank])
+
+
+@pytest.mark.parametrize("layer_ids", [(1, 5, 3), None], ids=["named-layers", "default-layers"])
+def test_dflash_first_proposals_match_the_reference(layer_ids, tmp_path):
+    t = target()
+    ckpt = write_dflash_zlab(tmp_path, t, target_layer_ids=layer_ids)
+    model = heads.load(tmp_path, target=t)
+    if layer_ids is None:  # z-lab's default for a two-layer drafter of an 8-layer target: 1 and L - 3
+        assert list(model.feature_layers) == [2, 6]
+        ckpt["config"]["dflash_config"]["target_layer_ids"] = [1, 5]
+    expected = dflash_reference(t, PROMPT, ckpt)
+    _, tree = first_tree(model, t, PROMPT)
+    assert tree.tokens[0, 1:].tolist() == expected.tolist()
+
+
+def test_target_named_in_the_checkpoint(tmp_path):
+    write_medusa_fd(tmp_path / "medusa", target(), base_model="org/base-model")
+    write_speculators(tmp_path / "spec", target(), verifier="org/verifier")
+    write_eagle_authors(tmp_path / "eagle", target())
+    assert heads.target_name(tmp_path / "medusa") == "org/base-model"
+    assert heads.target_name(tmp_path / "spec") == "org/verifier"
+    assert heads.target_name(tmp_path / "eagle") is None
+    with pytest.raises(ValueError, match="records no base_model_name_or_path .*pass target="):
+        SelfSpecModel.from_pretrained(str(tmp_path / "eagle"))
+
+
+def test_speculators_checkpoint_without_target_loads_from_its_config(tmp_path):
+    """What the target would add (its layer count, model type) is checked later, at attach."""
+    write_speculators(tmp_path, target())
+    model = heads.load(tmp_path)
+    assert list(model.feature_layers) == [2, 4, 6] and model.config.target_num_layers is None
+
+
+# ---- bad input: refused by name before any generation ------------------------------------------------------------
+
+
+def _mystery(folder):
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "mystery", "hidden_size": 32}))
+    save_file({"w": torch.zeros(2)}, folder / "model.safetensors")
+
+
+def _d2t_out_of_range(folder, t):
+    write_specforge(folder, t)
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    state["d2t"] = state["d2t"].clone()
+    state["d2t"][-1] += 40  # past the 96-token vocabulary
+    save_file(state, folder / "model.safetensors")
+
+
+def _t2d_disagrees(folder, t):
+    write_specforge(folder, t)
+    from safetensors.torch import load_file
+
+    state = load_file(folder / "model.safetensors")
+    state["t2d"] = state["t2d"].clone()
+    state["t2d"][~state["t2d"]] = torch.tensor([True] + [False] * (int((~state["t2d"]).sum()) - 1))
+    save_file(state, folder / "model.safetensors")
+
+
+def _other_tokenizer(folder, t):
+    other = t.get_input_embeddings().weight.detach().clone()
+    other[[3, 4]] = other[[4, 3]]  # two tokens swapped: another tokenizer's ids
+    write_speculators(folder, t, embedding=other)
+
+
+BAD = [
+    ("hidden size", lambda f, t: write_eagle_authors(f, target_model(hidden_size=48, intermediate_size=96)),
+     ValueError, r"hidden size: checkpoint 48, target 32"),
+    ("vocabulary", lambda f, t: write_medusa_fd(f, target_model(vocab_size=128)), ValueError,
+     r"vocabulary size: checkpoint 128, target 96"),
+    ("DFlash for a deeper target", lambda f, t: write_dflash_zlab(f, target_model(num_hidden_layers=10),
+                                                                  target_layer_ids=(1, 8, 3)),
+     ValueError, r"layer count: checkpoint 10, target 8"),
+    ("d2t past the vocabulary", _d2t_out_of_range, ValueError, r"d2t maps draft ids to target ids outside"),
+    ("t2d disagrees with d2t", _t2d_disagrees, ValueError, r"t2d and d2t disagree"),
+    ("another tokenizer's embedding", _other_tokenizer, ValueError,
+     r"embed_tokens.weight differs from the target's input embedding in 2 of 96 rows"),
+    ("unknown format", lambda f, t: _mystery(f), ValueError,
+     r"model_type 'mystery'.*nor a checkpoint in a format selfspec imports:(.|\n)*eagle_authors(.|\n)*specforge"
+     r"(.|\n)*speculators(.|\n)*medusa_fd(.|\n)*dflash_zlab"),
+    ("SpecForge fc_norm", lambda f, t: write_specforge(f, t, fc_norm=True), ValueError, r"fc_norm: true"),
+    ("speculators norm_before_fc", lambda f, t: _with_config(write_speculators, f, t, norm_before_fc=True),
+     ValueError, r"sets \['norm_before_fc'\]"),
+    ("speculators DFlash algorithm", lambda f, t: _with_config(write_speculators, f, t,
+                                                               speculators_model_type="dflash"),
+     ValueError, r"speculators 'dflash' drafter; selfspec imports \['eagle3'\]"),
+    ("Medusa blocks that differ", lambda f, t: _unshared_medusa(f, t), ValueError, r"head 0's residual blocks differ"),
+]
+
+
+def _with_config(writer, folder, t, **changes):
+    writer(folder, t)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _unshared_medusa(folder, t):
+    write_medusa_fd(folder, t, num_layers=2, pt=True)
+    state = torch.load(folder / "medusa_lm_head.pt", weights_only=True)
+    state["0.1.linear.weight"] = state["0.1.linear.weight"] + 1
+    torch.save(state, folder / "medusa_lm_head.pt")
+
+
+@pytest.mark.parametrize("name,write,error,message", BAD, ids=[b[0] for b in BAD])
+def test_bad_checkpoints_are_refused_by_name(name, write, error, message, tmp_path):
+    t = target()
+    folder = tmp_path / "ckpt"
+    write(folder, t)
+    with pytest.raises(error, match=message):
+        heads.load(folder, target=t)
+    with pytest.raises(error, match=message):
+        SelfSpecModel.from_pretrained(str(folder), target=t)
+
+
+def test_formats_needing_the_target_say_so(tmp_path):
+    write_eagle_authors(tmp_path / "eagle", target())
+    write_dflash_zlab(tmp_path / "dflash", target())
+    write_specforge(tmp_path / "specforge", target(), aux_layer_ids=None)
+    with pytest.raises(ValueError, match="pass target="):
+        heads.load(tmp_path / "eagle")
+    with pytest.raises(ValueError, match="pass target=<the target model>"):
+        heads.load(tmp_path / "dflash")
+    with pytest.raises(ValueError, match="eagle_aux_hidden_state_layer_ids.*pass target="):
+        heads.load(tmp_path / "specforge")
+
+
+def test_medusa_config_undercounting_its_heads_warns(tmp_path):
+    write_medusa_fd(tmp_path, target(), num_heads=3)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["medusa_num_heads"] = 2
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = heads.load(tmp_path, target=target())
+    assert model.config.num_heads == 3
+    assert any("says 2 heads, its weights hold 3" in str(w.message) for w in caught)
