@@ -23,6 +23,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from heads.losses import target_inputs
+
 from .target import DTYPES
 
 SHARD_SAMPLES = 64  # samples per safetensors shard
@@ -30,10 +32,11 @@ SHARD_SAMPLES = 64  # samples per safetensors shard
 
 @torch.no_grad()
 def target_hidden_states(target, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         layers: tuple[int, ...]) -> dict[int, torch.Tensor]:
-    """{layer: [B, T, D]} from one frozen forward of the target's base model (no lm_head, no cache)."""
-    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True,
-                            use_cache=False)
+                         layers: tuple[int, ...], position_ids: torch.Tensor | None = None) -> dict[int, torch.Tensor]:
+    """{layer: [B, T, D]} from one frozen forward of the target's base model (no lm_head, no cache).
+    attention_mask: [B, T] padding, or a 4D mask with `position_ids` for packed rows."""
+    out = target.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            output_hidden_states=True, use_cache=False)
     return {layer: out.hidden_states[layer] for layer in layers}
 
 
@@ -78,6 +81,21 @@ class FeatureCache:
                 x = self._open(self.shard_of[i]).get_tensor(f"{i}.{layer}")
                 rows.append(torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])))
             out[layer] = torch.stack(rows)
+        return out
+
+    def get_packed(self, indices: list[int], places: list[tuple[int, int, int]],
+                   shape: tuple[int, int]) -> dict[int, torch.Tensor]:
+        """{layer: [R, W, D]} for a packed batch: sample indices[n] at row places[n][0] from column
+        places[n][1] (`train.packing.pack_collate`), zeros elsewhere."""
+        out = {}
+        for layer in self.layers:
+            rows = None
+            for i, (r, start, n) in zip(indices, places, strict=True):
+                x = self._open(self.shard_of[i]).get_tensor(f"{i}.{layer}")
+                if rows is None:
+                    rows = x.new_zeros(*shape, x.shape[-1])
+                rows[r, start:start + n] = x
+            out[layer] = rows
         return out
 
     @classmethod
@@ -136,7 +154,8 @@ class OnlineFeatures:
         self.target, self.layers = target, layers
 
     def batch(self, batch: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        return target_hidden_states(self.target, batch["input_ids"], batch["attention_mask"], self.layers)
+        attention = target_inputs(batch, next(self.target.parameters()).dtype)  # block-diagonal when packed
+        return target_hidden_states(self.target, batch["input_ids"], layers=self.layers, **attention)
 
 
 class OfflineFeatures:
@@ -145,5 +164,9 @@ class OfflineFeatures:
         self.layers = cache.layers
 
     def batch(self, batch: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
-        got = self.cache.get(batch["index"].tolist(), batch["input_ids"].shape[1])
+        if "places" in batch:  # packed: each sample's cached rows laid out where the batch holds it
+            got = self.cache.get_packed(batch["index"].tolist(), batch["places"].tolist(),
+                                        tuple(batch["input_ids"].shape))
+        else:
+            got = self.cache.get(batch["index"].tolist(), batch["input_ids"].shape[1])
         return {layer: x.to(self.device, self.dtype) for layer, x in got.items()}

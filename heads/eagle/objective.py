@@ -8,7 +8,16 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import DynamicCache
 
-from heads.losses import StepStats, shift_left, token_loss, topk_hits, unrolled_attention_mask
+from heads.losses import (
+    StepStats,
+    label_rank,
+    positions,
+    same_sample,
+    segments,
+    shift_left,
+    token_loss,
+    unrolled_attention_mask,
+)
 
 
 class EagleObjective(nn.Module):
@@ -17,7 +26,8 @@ class EagleObjective(nn.Module):
     Step s at position t continues the chain started at t: input (x_{t+1+s}, h) with h the target feature
     f_t at s = 0 and the drafter's own step s-1 output after; it predicts x_{t+2+s} and the feature
     f_{t+1+s}. Step weights ttt_decay**s. Loss: smooth-L1 on features (feature_loss_weight) + CE/KL on
-    tokens (token_loss_weight).
+    tokens (token_loss_weight). In a packed row a chain stays inside its sample: it attends to its own
+    sample only, and a step whose label x_{t+2+s} lies in the next sample is masked out.
     """
 
     def __init__(self, drafter, config, lora_target=None):
@@ -35,7 +45,7 @@ class EagleObjective(nn.Module):
         return {}
 
     def forward(self, batch, features, stats: StepStats | None = None, steps: int | None = None):
-        ids, mask, attn = batch["input_ids"], batch["loss_mask"], batch["attention_mask"]
+        ids, mask, seg = batch["input_ids"], batch["loss_mask"], segments(batch)
         steps = steps or self.config.ttt_steps
         length = ids.shape[1] - 1  # chains start at t = 0..T-2 (x_{t+1} must exist)
         feats = self.drafter.fuse_features(tuple(features[i] for i in self.drafter.feature_layers))
@@ -45,39 +55,42 @@ class EagleObjective(nn.Module):
             hidden_in = hidden_in + (torch.rand_like(hidden_in) * 2 - 1) * noise
         last = features.get(self.last)  # [B, T, D]: regression targets (EAGLE-1/2) and soft targets
         cache = DynamicCache() if steps > 1 else None
-        soft = self._soft_targets(last, mask)
+        soft = self._soft_targets(last, mask, seg)
+        start = positions(batch)[:, :length]  # [B, L]: restarting at each sample of a packed row
         loss, logs = hidden_in.new_zeros(()), {}
         correct = torch.zeros((steps, ids.shape[0], length), dtype=torch.bool, device=ids.device)
         valid_all = torch.zeros_like(correct)
         for s in range(steps):
             tokens = shift_left(ids, 1 + s)[:, :length]
-            positions = (torch.arange(length, device=ids.device) + s)[None].expand(ids.shape[0], length)
             hidden, logits = self.drafter(
-                tokens, hidden_in, attention_mask=unrolled_attention_mask(attn[:, :length], s, hidden_in.dtype),
-                position_ids=positions, past_key_values=cache,
+                tokens, hidden_in, attention_mask=unrolled_attention_mask(seg[:, :length], s, hidden_in.dtype),
+                position_ids=start + s, past_key_values=cache,
                 cache_position=torch.arange(s * length, (s + 1) * length, device=ids.device), **self.step_inputs(s))
-            valid = shift_left(mask, 2 + s, False)[:, :length]  # x_{t+2+s} is an assistant token
+            # x_{t+2+s} is an assistant token of the chain's own sample
+            valid = (shift_left(mask, 2 + s, False) & same_sample(seg, 2 + s))[:, :length]
             labels = shift_left(ids, 2 + s)[:, :length][valid]
             step_loss, step_logs = self._step_loss(hidden, logits, valid, labels, last, soft, s, length)
             loss = loss + self.config.ttt_decay ** s * step_loss
             logs.update(step_logs)
             if stats is not None:
-                top1, top3 = topk_hits(logits[valid].detach(), labels, to_target=self.columns())
-                stats.add(s, top1, top3)
-                correct[s][valid] = top1
+                rank = label_rank(logits[valid].detach(), labels, to_target=self.columns())
+                stats.add(s, rank)
+                correct[s][valid] = rank == 0
                 valid_all[s] = valid
             hidden_in = hidden
         if stats is not None:
             stats.add_chains(correct, valid_all)
         return loss, logs
 
-    def _soft_targets(self, last, mask):
+    def _soft_targets(self, last, mask, seg=None):
         """The target's logits wherever it predicts an assistant token (every TTT step draws its soft
         targets from these same positions, shifted), computed once per batch, over `columns()` only.
         Returns (rows [N, V], index [B, T] into rows, -1 elsewhere) or None."""
         if self.config.loss == "hard":
             return None
         predicts = shift_left(mask, 1, False)  # last[:, t] predicts x_{t+1}
+        if seg is not None:
+            predicts = predicts & same_sample(seg, 1)  # of the same sample
         with torch.no_grad():
             rows = self.drafter.target_logits(last[predicts], columns=self.columns())
         index = torch.full(predicts.shape, -1, dtype=torch.long, device=predicts.device)
