@@ -8,9 +8,7 @@ test_bad_inputs_train.py.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,20 +16,14 @@ import torch
 from conftest import tiny_model
 from transformers import GenerationConfig
 
+from heads import calibration, publish
 from infer import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, SelfSpecModel
 from infer.drafters.adaptive import AdaptiveLength
+from train import bench, serve
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 20]])
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
-
-
-def script(name: str):
-    if f"_{name}" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(f"_{name}", SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[f"_{name}"] = module  # dataclasses look their module up while the file executes
-        spec.loader.exec_module(module)
-    return sys.modules[f"_{name}"]
+# the modules behind the scripts a row's command line runs
+COMMANDS = {"bench": bench, "serve": serve, "calibrate": calibration}
 
 
 def questions(tmp: Path, text: str) -> Path:
@@ -60,7 +52,7 @@ def cli(name: str, *argv) -> None:
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
         try:
-            code = script(name).main([str(a) for a in argv])
+            code = COMMANDS[name].main([str(a) for a in argv])
         except SystemExit as stop:
             code = stop.code
     if code:
@@ -208,13 +200,13 @@ ROWS = [
     ("streamer with a batch", lambda t: SelfSpecModel(t, "ngram").generate(IDS.repeat(2, 1), max_new_tokens=4, streamer=_Sink()), ValueError, "streamer supports batch size 1"),
     # ---- files: saved drafters, benchmark questions and results
     ("drafter file with damaged weights", lambda t, tmp: __import__("heads").load(damaged_drafter(tmp, t)), ValueError, "holds non-finite weights"),
-    ("question file missing", lambda t, tmp: script("bench").load_questions(tmp / "none.jsonl"), FileNotFoundError, "no question file at"),
-    ("question file with a broken second line", lambda t, tmp: script("bench").load_questions(questions(tmp, '{"question_id": 1, "category": "a", "turns": ["x"]}\n{"question_id": 2,\n')), ValueError, "q.jsonl:2: not valid JSON"),
-    ("question file as a JSON array", lambda t, tmp: script("bench").load_questions(questions(tmp, '[{"question_id": 1, "category": "a", "turns": ["x"]}]\n')), ValueError, "each line must be one question object, got a JSON list"),
-    ("question file as a multi-line JSON array", lambda t, tmp: script("bench").load_questions(questions(tmp, '[\n{"question_id": 1}\n]\n')), ValueError, "a JSON array?"),
-    ("question without turns", lambda t, tmp: script("bench").load_questions(questions(tmp, '{"question_id": 1, "category": "a"}\n')), ValueError, "question lacks ['turns']"),
-    ("bench results that are not JSON", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, "{oops"), None), ValueError, "is not valid JSON"),
-    ("bench results of another shape", lambda t, tmp: script("push_to_hub").measured_metrics(bench_result(tmp, '{"methods": []}'), None), ValueError, "is not a scripts/bench.py results.json"),
+    ("question file missing", lambda t, tmp: bench.load_questions(tmp / "none.jsonl"), FileNotFoundError, "no question file at"),
+    ("question file with a broken second line", lambda t, tmp: bench.load_questions(questions(tmp, '{"question_id": 1, "category": "a", "turns": ["x"]}\n{"question_id": 2,\n')), ValueError, "q.jsonl:2: not valid JSON"),
+    ("question file as a JSON array", lambda t, tmp: bench.load_questions(questions(tmp, '[{"question_id": 1, "category": "a", "turns": ["x"]}]\n')), ValueError, "each line must be one question object, got a JSON list"),
+    ("question file as a multi-line JSON array", lambda t, tmp: bench.load_questions(questions(tmp, '[\n{"question_id": 1}\n]\n')), ValueError, "a JSON array?"),
+    ("question without turns", lambda t, tmp: bench.load_questions(questions(tmp, '{"question_id": 1, "category": "a"}\n')), ValueError, "question lacks ['turns']"),
+    ("bench results that are not JSON", lambda t, tmp: publish.measured_metrics(bench_result(tmp, "{oops"), None), ValueError, "is not valid JSON"),
+    ("bench results of another shape", lambda t, tmp: publish.measured_metrics(bench_result(tmp, '{"methods": []}'), None), ValueError, "is not a scripts/bench.py results.json"),
     # ---- script flags: refused by name before any model loads
     ("bench: a misspelt drafter name", lambda t, tmp: bench_cli(tmp, "--drafter", "ngarm"), ValueError, "unknown drafter 'ngarm'; the named drafters are: ngram"),
     ("bench: no repeats", lambda t, tmp: bench_cli(tmp, "--repeats", "0"), ValueError, "argument --repeats: must be a whole number >= 1, got 0"),
@@ -233,8 +225,8 @@ ROWS = [
     ("calibrate: no repeats", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--repeats", "0"), ValueError, "argument --repeats: must be >= 1, got 0"),
     ("calibrate: context of no tokens", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--context", "0"), ValueError, "argument --context: must be >= 1"),
     ("calibrate: more nodes than measured", lambda t, tmp: cli("calibrate", "--drafter", tmp, "--prompts", tmp / "p.jsonl", "--wide", "8", "--max-nodes", "9"), ValueError, "argument --max-nodes: must be <= --wide (8)"),
-    ("push_to_hub: bench file missing", lambda t, tmp: script("push_to_hub").main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--bench", str(tmp / "none.json")]), FileNotFoundError, "--bench "),
-    ("push_to_hub: staging into a folder of the user's", lambda t, tmp: script("push_to_hub").main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(user_folder(tmp))]), ValueError, "holds no earlier staging of a drafter"),
+    ("push_to_hub: bench file missing", lambda t, tmp: publish.main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--bench", str(tmp / "none.json")]), FileNotFoundError, "--bench "),
+    ("push_to_hub: staging into a folder of the user's", lambda t, tmp: publish.main([str(saved_drafter(tmp, t)), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(user_folder(tmp))]), ValueError, "holds no earlier staging of a drafter"),
 ]
 
 

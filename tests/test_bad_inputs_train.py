@@ -7,7 +7,6 @@ check runs before the target would load (anything expensive fails with another m
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -17,20 +16,13 @@ from conftest import tiny_model
 from train_fixtures import char_tokenizer, conversations, save_tiny_target, write_messages
 
 import heads
+from heads import publish
 from infer.embedded import resolve_target
 from train.config import TrainConfig, load_config
 from train.data import build_samples, load_rows
 from train.train_heads import parse_args, train
 
-ROOT = Path(__file__).resolve().parent.parent
 MISSING_TARGET = "/nonexistent/selfspec-target"
-
-
-def _push_script():
-    spec = importlib.util.spec_from_file_location("push_to_hub", ROOT / "scripts" / "push_to_hub.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +94,7 @@ class Ctx:
         return out
 
     def push(self, *argv) -> int:
-        return _push_script().main([str(a) for a in argv])
+        return publish.main([str(a) for a in argv])
 
     def offline(self) -> None:
         import huggingface_hub.constants

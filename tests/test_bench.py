@@ -3,7 +3,6 @@ checking, CLI exit codes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from transformers import PreTrainedTokenizerFast
 
 from train import bench
 from train.bench import harness, methods
-
-ROOT = Path(__file__).resolve().parent.parent
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<user>", "<assistant>", "<unk>"]
 CHAT = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"
@@ -208,10 +205,7 @@ def test_new_tokens_stop_at_eos():
 
 def test_push_to_hub_dry_run_puts_measurements_on_the_card(tmp_path, capsys):
     import heads
-
-    spec = importlib.util.spec_from_file_location("push_to_hub", ROOT / "scripts" / "push_to_hub.py")
-    push_to_hub = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(push_to_hub)
+    from heads import publish
 
     run = tmp_path / "run"
     heads.build("medusa", tiny_target()).save_pretrained(run / "drafter")
@@ -222,13 +216,13 @@ def test_push_to_hub_dry_run_puts_measurements_on_the_card(tmp_path, capsys):
         "methods": ["baseline", "pld", "ngram", "medusa"], "per_category": {"overall": {"medusa": row}},
         "settings": {"max_new_tokens": 64}, "environment": {"cpu": "test cpu", "torch_threads": 2}}))
     staged = tmp_path / "staged"
-    assert push_to_hub.main([str(run), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(staged)]) == 0
+    assert publish.main([str(run), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(staged)]) == 0
     card = (staged / "README.md").read_text()
     assert "measured_speedup_vs_transformers_greedy: 1.5" in card and "test cpu" in card
     assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in staged.iterdir()}
     assert not (run / "drafter" / "README.md").read_text().count("measured_tau")  # source left untouched
     with pytest.raises(FileNotFoundError, match="no saved drafter"):
-        push_to_hub.find_drafter(tmp_path / "nothing")
+        publish.find_drafter(tmp_path / "nothing")
 
 
 def test_saved_drafter_with_tree_override(questions_file, tmp_path):

@@ -9,9 +9,7 @@
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,27 +18,19 @@ from conftest import tiny_model
 from train_fixtures import save_tiny_target
 
 import heads
+from heads import publish
 from infer import SelfSpecModel
 from infer.drafters import DRAFTERS
 from infer.drafters.draft_model import DraftModelDrafter
+from train import serve
 
 PROMPT = torch.tensor([[5, 9, 14, 5, 9, 20, 5, 9, 14, 5, 9, 31, 7, 5, 9, 14]])
-SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 
 # A spec for every registered name that builds on the tiny llama (the argument where one is needed), and a few
 # more that combine them. `gguf` needs the GGUF of the target itself: test_gguf.py's real model (below, slow).
 NEEDS_ARGUMENT = {"early_exit": "early_exit:2", "staged": "staged:int8+ngram"}
 SPECS = [NEEDS_ARGUMENT.get(name, name) for name in DRAFTERS if name != "gguf"]
 SPECS += ["suffix:int8", "suffix:early_exit:2", "layerskip:0.25", "lookahead:5,4,5", "ngram:5"]
-
-
-def script(name: str):
-    if f"_{name}" not in sys.modules:
-        spec = importlib.util.spec_from_file_location(f"_{name}", SCRIPTS / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[f"_{name}"] = module
-        spec.loader.exec_module(module)
-    return sys.modules[f"_{name}"]
 
 
 @pytest.fixture(scope="module")
@@ -220,7 +210,7 @@ def _target(saved):
 
 def test_serve_export_dir_of_the_drafter_itself_is_refused(saved, capsys):
     before = fingerprint(saved / "drafter")
-    code = script("serve").main([str(saved / "drafter"), "--export-dir", str(saved / "drafter"), "--dry-run"])
+    code = serve.main([str(saved / "drafter"), "--export-dir", str(saved / "drafter"), "--dry-run"])
     err = capsys.readouterr().err
     assert code == 2 and str(saved / "drafter") in err and "empty or new folder" in err, err
     assert fingerprint(saved / "drafter") == before
@@ -230,7 +220,7 @@ def test_serve_export_dir_of_the_drafter_itself_is_refused(saved, capsys):
 def test_serve_dry_run_twice_replaces_its_own_export(saved, tmp_path, capsys):
     out = tmp_path / "served"
     for _ in range(2):
-        code = script("serve").main([str(saved / "drafter"), "--export-dir", str(out), "--dry-run"])
+        code = serve.main([str(saved / "drafter"), "--export-dir", str(out), "--dry-run"])
         assert code == 0, capsys.readouterr().err
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
 
@@ -243,10 +233,10 @@ def test_push_to_hub_stage_dir_with_other_files_is_refused(saved, tmp_path, caps
     (stage / "README.md").write_text("my notes")
     argv = [str(saved / "drafter"), "--repo-id", "me/x", "--dry-run", "--stage-dir", str(stage)]
     with pytest.raises(ValueError) as info:
-        script("push_to_hub").main(argv)
+        publish.main(argv)
     assert str(stage) in str(info.value) and "empty or new folder" in str(info.value)
     assert fingerprint(stage) == {"README.md": hashlib.sha256(b"my notes").hexdigest()}
     again = tmp_path / "staged"
     for _ in range(2):
-        assert script("push_to_hub").main([*argv[:-1], str(again)]) == 0
+        assert publish.main([*argv[:-1], str(again)]) == 0
     assert sorted(p.name for p in again.iterdir()) == ["README.md", "config.json", "model.safetensors"]

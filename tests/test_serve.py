@@ -1,4 +1,4 @@
-"""scripts/serve.py: a drafter served by vLLM in one command.
+"""train/serve.py (scripts/serve.py): a drafter served by vLLM in one command.
 
 Without vLLM (seconds): the command vLLM gets for each kind, and every bad input (not a drafter, a kind vLLM
 cannot serve, no vLLM environment, a port in use, vLLM dying during start-up) gets a message saying what to
@@ -16,9 +16,7 @@ not that the drafter is good on text it has not seen.
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 import re
 import signal
 import socket
@@ -33,12 +31,11 @@ import pytest
 from train_fixtures import save_tiny_target
 
 import heads
+from train import serve
+from train.vllm_engine import default_vllm_python
 
 ROOT = Path(__file__).resolve().parent.parent
-SERVE = ROOT / "scripts" / "serve.py"
-_spec = importlib.util.spec_from_file_location("serve", SERVE)
-serve = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(serve)
+SERVE = ROOT / "scripts" / "serve.py"  # run as the command it is, in its own process
 
 
 def free_port() -> int:
@@ -219,7 +216,7 @@ def test_sigterm_stops_the_server_and_everything_it_started(drafters, tmp_path):
 
 # ---- with vLLM: the round trip ------------------------------------------------------------------------------
 
-VLLM_PYTHON = Path(os.environ.get("SELFSPEC_VLLM_PYTHON", serve.DEFAULT_VLLM_PYTHON))
+VLLM_PYTHON = default_vllm_python()
 CHAIN = [[0], [0, 0], [0, 0, 0]]  # draft 3 tokens in a chain, as vLLM does
 NEW_TOKENS = 48
 
