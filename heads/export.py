@@ -443,8 +443,8 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
     plain Llama layer (`layer_style="llama"` for any target), no attention biases (SGLang's widened q/k/v have
     none), `norm_before_residual=False` (SGLang adds the un-normed hidden state) and `num_layers=1` (SGLang's
     further layers normalise their input with `hidden_norm` and start a new residual, which is not our layer).
-    SGLang captures each target layer once, in ascending order: feature layers must be distinct target layers
-    1..L-1 (hidden_states indices), and `fc`'s column blocks are written in ascending layer order.
+    SGLang captures each target layer once, in ascending order, and its fc reads three: feature layers must be three
+    distinct target layers 1..L-1 (hidden_states indices), and `fc`'s column blocks are written in ascending order.
     """
     c = model.config
     fmt = "SGLang EAGLE-3"
@@ -461,6 +461,9 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
         raise ValueError(f"{fmt} adds the un-normed hidden state to the attention output; this drafter was built with "
                          "norm_before_residual=True")
     n, layers = c.target_num_layers, list(c.feature_layers)
+    if len(layers) != 3:
+        raise ValueError(f"{fmt}'s fc reads exactly 3 target layers (3 x target_hidden_size inputs); this drafter "
+                         f"reads {len(layers)}: {layers}")
     outside = [i for i in layers if n is None or not 1 <= i <= n - 1]
     if outside or len(set(layers)) != len(layers):
         raise ValueError(f"feature layers {layers} cannot be served by SGLang: it captures each of target layers "
@@ -523,6 +526,6 @@ def export(model, out_dir, format: str | None = None) -> str:
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; known: {sorted(FORMATS)}")
     if format not in allowed:
-        raise ValueError(f"a {kind or type(model).__name__} drafter does not export to {format!r}; its formats: "
+        raise ValueError(f"drafter kind {kind or type(model).__name__!r} does not export to {format!r}; its formats: "
                          f"{list(allowed) or 'none (EAGLE-1/2 has no exact vLLM or SGLang layout)'}")
     return FORMATS[format].export(model, out_dir)
