@@ -159,6 +159,16 @@ class VLLMEngine:
         self.proc.stdin.flush()
         return [(text, finished) for text, finished in self._read("replies")]
 
+    def complete(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[tuple[str, bool]]:
+        """(reply, finished) for each rendered, tokenized chat prompt, all handed to vLLM's scheduler at once;
+        request i samples with seed + i. train/regenerate.py's engine interface."""
+        request = {"prompt_ids_batch": prompts, "max_new_tokens": max_new_tokens, "temperature": temperature,
+                   "top_p": top_p, "seed": seed}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return [(text, finished) for text, finished in self._read("replies")]
+
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int,
                      sampling: dict | None = None) -> tuple[list[int], dict | None]:
         """One generation from token ids, greedy, or sampled with `sampling`'s temperature, top_p, top_k and seed:

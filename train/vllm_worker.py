@@ -6,6 +6,9 @@ Requests, one of:
 - {"histories": [[{"role", "content"}, ...], ...], "max_new_tokens", "temperature", "top_p", "seed"}: chat
   replies, answered {"replies": [[text, finished], ...]} in the same order, `finished` False when
   max_new_tokens cut it;
+- {"prompt_ids_batch": [[...], ...], "max_new_tokens", "temperature", "top_p", "seed"}: the same replies to
+  prompts already rendered and tokenized by the caller (train/regenerate.py renders tools and reasoning
+  switches with the target's own template), answered like "histories";
 - {"prompt_ids": [...], "max_new_tokens"} and, to sample, "temperature", "top_p", "top_k", "seed": one generation
   from token ids (greedy without a temperature), answered {"ids": [...],
   "spec": {"drafts", "draft_tokens", "accepted", "per_position": [...]}}, the spec-decode counters this
@@ -71,6 +74,15 @@ def main() -> None:
             out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt_ids"])], params, use_tqdm=False)
             counts = difference(spec_counters(llm), before) if before is not None else None
             protocol.write(json.dumps({"ids": list(out[0].outputs[0].token_ids), "spec": counts}) + "\n")
+            continue
+        if "prompt_ids_batch" in request:  # chat prompts the caller rendered (its template, tools, thinking switch)
+            params = [SamplingParams(max_tokens=request["max_new_tokens"], temperature=request["temperature"],
+                                     top_p=request["top_p"], seed=request["seed"] + i)
+                      for i in range(len(request["prompt_ids_batch"]))]
+            prompts = [TokensPrompt(prompt_token_ids=ids) for ids in request["prompt_ids_batch"]]
+            outputs = llm.generate(prompts, params, use_tqdm=False)  # all at once: vLLM schedules them together
+            replies = [[o.outputs[0].text.strip(), o.outputs[0].finish_reason == "stop"] for o in outputs]
+            protocol.write(json.dumps({"replies": replies}) + "\n")
             continue
         # One call for the whole batch: vLLM's scheduler batches the requests itself (continuous batching).
         params = [SamplingParams(max_tokens=request["max_new_tokens"], temperature=request["temperature"],
