@@ -14,6 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ARCHITECTURES, tiny_model
+from foreign_checkpoints import FORMATS as FOREIGN_FORMATS
+from foreign_checkpoints import WRITERS
+from foreign_checkpoints import target_model as foreign_target
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
@@ -695,6 +698,23 @@ def test_speculative_greedy_equals_target_generate(case, batch):
                                pad_token_id=0)
     drafter = heads.build(kind, target.config, tree=tree)
     got = SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("fmt", FOREIGN_FORMATS)
+def test_imported_drafter_greedy_equals_target_generate(fmt, batch, tmp_path):
+    """A drafter published in another project's format (heads/formats/), as heads.load imports it."""
+    target = foreign_target()
+    WRITERS[fmt](tmp_path, target)
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second prompt is left-padded
+    ids, mask = ids[:batch], mask[:batch]
+    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                               pad_token_id=0)
+    got = SelfSpecModel(target, heads.load(tmp_path, target=target)).generate(ids, attention_mask=mask,
+                                                                             max_new_tokens=20, eos_token_id=[])
     assert torch.equal(got, expected)
 
 
