@@ -204,6 +204,10 @@ def test_eagle_authors_full_draft_vocabulary_ignores_the_map(tmp_path):
     """Their code drafts target ids directly when the draft vocabulary is the whole vocabulary, whatever d2t holds."""
     t = target()
     ckpt = write_eagle_authors(tmp_path, t, draft_vocab=t.config.vocab_size)
+    weights = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    vocab = t.config.vocab_size
+    weights["d2t"] = torch.randperm(vocab, generator=torch.Generator().manual_seed(0)) - torch.arange(vocab)
+    torch.save(weights, tmp_path / "pytorch_model.bin")  # a map their code never reads
     model = heads.load(tmp_path, target=t)
     assert int(model.d2t.abs().sum()) == 0 and bool(model.t2d.all())
     ckpt["weights"]["d2t"] = torch.zeros_like(ckpt["weights"]["d2t"])
