@@ -53,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from infer.random_target import SHAPES
 from train.bench.harness import load_questions, run_bench
 from train.bench.methods import (
     BASELINE,
@@ -119,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="short name, folder or hub id")
-    parser.add_argument("--questions", required=True, help="jsonl with question_id, category, turns")
+    parser.add_argument("--questions", help="jsonl with question_id, category, turns (required unless --random-target)")
     parser.add_argument("--drafter", action="append", default=[],
                         help="a drafter name (ngram, gguf[:<file>], int8, bf16, early_exit:<k>, ...) | "
                              "path/to/drafter_folder | draft-model:<path>, each optionally suffixed "
@@ -131,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                              "from the drafter's fp32 weights, not int8 copies); repeat for several")
     parser.add_argument("--out", default="runs/bench/latest", help="folder for results.json/.md and plots")
     parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
-    parser.add_argument("--repeats", type=at_least(1), default=1, help="timed runs per question and method (median)")
+    parser.add_argument("--repeats", type=at_least(1), default=None,
+                        help="timed runs per question and method (median; default 1, with --random-target 3)")
     parser.add_argument("--turns", type=at_least(1), default=1, help="how many turns of each question to run")
     parser.add_argument("--second-turns", action="store_true",
                         help="MT-bench second turns only: the first turn is answered by the baseline (untimed) "
@@ -169,12 +171,37 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="keep the questions an interrupted run with the same methods wrote to --out's "
                              "records.jsonl and measure only the rest")
+    gpu = parser.add_argument_group("the engine on a random-weight target (train/bench/gpu.py; nothing downloaded)")
+    gpu.add_argument("--random-target", type=random_shape, metavar="SHAPE",
+                     help="time transformers' and selfspec's decoding, the oracle and a random EAGLE-3 drafter on a "
+                          "random-weight target of this shape, built on --device: "
+                          f"{', '.join(SHAPES)} ('tiny' is a CPU dry run)")
+    gpu.add_argument("--budget-seconds", type=number_in(0, open_low=True), default=420.0,
+                     help="rows that would start after this many seconds are skipped (the JSON is written as it goes)")
+    gpu.add_argument("--bandwidth-gbs", type=number_in(0, open_low=True), default=None,
+                     help="the device's memory bandwidth in GB/s for the memory floor (default: H100 3350, H200 "
+                          "4800, measured on a CPU)")
+    gpu.add_argument("--prompt-tokens", type=at_least(1), default=128, help="length of the random prompt")
+    gpu.add_argument("--no-compile", action="store_true",
+                     help="leave the static-cache rows uncompiled (a CPU dry run in seconds)")
     return parser
+
+
+def random_shape(text: str) -> str:
+    """An argparse type: a shape of infer.random_target.SHAPES."""
+    if text not in SHAPES:
+        raise argparse.ArgumentTypeError(f"unknown random target shape {text!r}; the shapes are: {', '.join(SHAPES)}")
+    return text
 
 
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.random_target:
+        return _random_target(parser, args, argv)
+    if not args.questions:
+        parser.error("--questions is required (or --random-target SHAPE for the engine on a random-weight target)")
+    args.repeats = args.repeats or 1
 
     from infer.embedded import resolve_target
 
@@ -209,6 +236,18 @@ def main(argv=None) -> int:
         for m in methods:
             if m.close is not None:
                 m.close()
+
+
+def _random_target(parser, args, argv) -> int:
+    from train.bench.gpu import run_random_target
+
+    for flag, given in (("--drafter", args.drafter), ("--vllm", args.vllm), ("--sample", args.sample),
+                        ("--questions", args.questions), ("--resume", args.resume)):
+        if given:
+            parser.error(f"{flag} needs a real target; --random-target runs its own rows (train/bench/gpu.py)")
+    args.repeats = args.repeats or 3
+    torch.set_num_threads(args.threads or os.cpu_count() or 1)
+    return run_random_target(args, argv)
 
 
 def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | None) -> int:

@@ -1,0 +1,341 @@
+"""The engine on a random-weight target of a real model's shape, where only the device's speed matters:
+
+    python scripts/bench.py --random-target llama3-8b --device cuda --dtype bfloat16 --out runs/bench/gpu
+    python scripts/bench.py --random-target tiny --no-compile --max-new-tokens 32 --out /tmp/dry   # CPU dry run
+
+Nothing is downloaded: the target is built on the device (infer/random_target.py). One prompt of random tokens,
+greedy, batch 1; the rows, each set up and warmed up once, then timed in interleaved rounds (every row once a
+round, so a slow phase of the machine hits all of them alike):
+
+    hf_eager           transformers' generate, dynamic cache
+    hf_static          transformers' generate with cache_implementation="static", which transformers compiles on
+                       a GPU (torch.compile, CUDA graphs): the fastest plain decoding it offers (not on a CPU,
+                       or with --no-compile)
+    none               SelfSpecModel(target, "none"): the engine's own plain step
+    none_static        the same on its static cache, its verify forward compiled (not with --no-compile)
+    oracle:<a>         OracleDrafter(a, depth 8): drafting free, acceptance set by a, chains
+    oracle_tree:<a>    the oracle in a tree of EAGLE-2's size (depth 6, top-8, 60 nodes)
+    oracle:<a>+static  the middle alpha's chain on the static, compiled path
+    eagle3_tree60      a random EAGLE-3 drafter's whole step, tree of 60 nodes (its acceptance is nil: the row
+                       gives a trained drafter's cost per step, not its speed)
+    verify_by_width    the verify forward alone on 1, 8, 32, 64 and 128 nodes (infer.tuning.timing.block_costs)
+
+Each row reports tokens/s, ms per step (per target forward, the prefill included), tau (new tokens per target
+forward), a drafter's tokens per drafting step (the prefill and the last, cut-short step left out: what an
+oracle's `expected_tau` predicts), the memory floor of a step (every weight read once: parameter bytes /
+bandwidth; --bandwidth-gbs, or the vendor's figure for a known GPU, BANDWIDTH_GB_S, or the measured read
+bandwidth on a CPU) and the share of a step the floor is. Random
+weights make near-ties whose argmax flips with a forward's shape, so outputs may differ from transformers' (the
+first differing token is recorded, not an error) and the oracle follows what the target emits (`followed`).
+Rows that would start after --budget-seconds are skipped and said so; the JSON is written after every row.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# Memory bandwidth by GPU name, GB/s: the vendor's figures (H100 SXM HBM3, H200 HBM3e).
+BANDWIDTH_GB_S = {"H100": 3350.0, "H200": 4800.0}
+ORACLE_ALPHAS = (0.6, 0.8, 0.9)
+ORACLE_DEPTH = 8
+EAGLE2_TREE = {"depth": 6, "top_k": 8, "total_tokens": 60}  # EAGLE-2's default size
+VERIFY_WIDTHS = (1, 8, 32, 64, 128)
+SETTLE_RUNS = 3  # untimed oracle runs that move its answer to what the target emits with it
+
+
+@dataclass
+class Row:
+    """A timed way to generate: `setup()` (untimed: models built, a warm-up run) returns the run to time, which
+    returns (new token ids, stats), and the warm-up's new token ids."""
+
+    name: str
+    what: str
+    setup: Callable[[], tuple[Callable[[], tuple[list[int], dict]], list[int]]]
+    extra: dict = field(default_factory=dict)  # what the row adds to its record (an oracle's expected tau)
+
+
+@dataclass
+class Settings:
+    new_tokens: int = 128
+    repeats: int = 3
+    compile: bool = True
+    budget_seconds: float = 420.0
+    alphas: tuple[float, ...] = ORACLE_ALPHAS
+    depth: int = ORACLE_DEPTH
+    tree: dict = field(default_factory=lambda: dict(EAGLE2_TREE))
+    seed: int = 0
+
+
+def bandwidth(device: torch.device, given: float | None) -> tuple[float | None, str]:
+    """(GB/s, where the figure comes from) for the memory floor."""
+    if given is not None:
+        return given, "--bandwidth-gbs"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for gpu, gbs in BANDWIDTH_GB_S.items():
+            if gpu in name:
+                return gbs, f"{gpu}'s published bandwidth"
+        return None, f"unknown for {name}: pass --bandwidth-gbs"
+    from train.bench.report import read_bandwidth_gb_s
+
+    return read_bandwidth_gb_s(), "measured read bandwidth (CPU)"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def hf_row(target, ids, name: str, what: str, settings: Settings, **options) -> Row:
+    def setup():
+        def run():
+            out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=settings.new_tokens,
+                                  min_new_tokens=settings.new_tokens, do_sample=False, **options)
+            return out[0, ids.shape[1]:].tolist(), {"target_forwards": settings.new_tokens}
+        return run, run()[0]  # the warm-up pays for kernel selection and a static cache's compilation
+    return Row(name, what, setup)
+
+
+def engine_row(target, ids, name: str, what: str, settings: Settings, drafter, answers: dict, **options) -> Row:
+    """SelfSpecModel(target, drafter(), **options); `drafter` builds the drafter at setup. An oracle drafts the
+    engine's own output (`answers["none"]`, the `none` row's warm-up), moved by untimed runs to what the target
+    emits with the oracle's trees (near-ties may flip with a block's shape)."""
+    from infer import SelfSpecModel
+    from infer.drafters.oracle import OracleDrafter
+
+    def setup():
+        own = drafter()
+        model = SelfSpecModel(target, own, **options)
+        oracle = isinstance(own, OracleDrafter)
+
+        def run():
+            if oracle:
+                own.expect([answers["oracle"]], seed=settings.seed)
+            out = model.generate(ids, max_new_tokens=settings.new_tokens, eos_token_id=[])
+            stats = dict(model.last_stats)
+            if oracle:
+                stats["followed"] = own.followed
+            return out[0, ids.shape[1]:].tolist(), stats
+
+        if oracle:
+            answers["oracle"] = answers.get("none") or answers["hf_eager"]
+            for _ in range(SETTLE_RUNS):
+                new, stats = run()
+                answers["oracle"] = new
+                if stats["followed"] == 0:
+                    break
+        return run, run()[0]  # the warm-up: allocations, kernel selection, compilation
+    return Row(name, what, setup)
+
+
+def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
+    """The rows in the order they run (see the module docstring)."""
+    import heads
+    from infer.drafters.oracle import OracleDrafter, expected_tokens_per_step
+
+    compiled = settings.compile and target.device.type == "cuda"
+    static = {"cache_implementation": "static"} | ({} if compiled else {"disable_compile": True})
+    rows = [hf_row(target, ids, "hf_eager", "transformers generate, greedy, dynamic cache", settings),
+            hf_row(target, ids, "hf_static", "transformers generate, static cache"
+                   + (", compiled" if compiled else ", not compiled"), settings, **static),
+            engine_row(target, ids, "none", "SelfSpecModel(target, 'none')", settings, lambda: "none", answers),
+            engine_row(target, ids, "none_static", "SelfSpecModel(target, 'none'), static cache"
+                       + (", compiled verify" if settings.compile else ""), settings, lambda: "none", answers,
+                       static_cache=True, compile=settings.compile)]
+    for alpha in settings.alphas:
+        rows.append(engine_row(target, ids, f"oracle:{alpha:g}", f"OracleDrafter({alpha:g}), chain of "
+                               f"{settings.depth}", settings,
+                               lambda a=alpha: OracleDrafter(a, settings.depth, follow=True), answers))
+        rows[-1].extra["expected_tau"] = expected_tokens_per_step(alpha, settings.depth)
+    tree = settings.tree
+    for alpha in settings.alphas:
+        rows.append(engine_row(target, ids, f"oracle_tree:{alpha:g}", f"OracleDrafter({alpha:g}), tree {tree}",
+                               settings, lambda a=alpha: OracleDrafter(a, tree["depth"], top_k=tree["top_k"],
+                                                                       total_tokens=tree["total_tokens"],
+                                                                       follow=True), answers))
+        rows[-1].extra["expected_tau"] = expected_tokens_per_step(alpha, tree["depth"], tree["top_k"],
+                                                                  tree["total_tokens"])
+    middle = settings.alphas[len(settings.alphas) // 2]
+    rows.append(engine_row(target, ids, f"oracle:{middle:g}+static", f"OracleDrafter({middle:g}), chain of "
+                           f"{settings.depth}, static cache" + (", compiled verify" if settings.compile else ""),
+                           settings, lambda: OracleDrafter(middle, settings.depth, follow=True), answers,
+                           static_cache=True, compile=settings.compile))
+    rows[-1].extra["expected_tau"] = expected_tokens_per_step(middle, settings.depth)
+    rows.append(engine_row(target, ids, "eagle3_tree60", f"a random EAGLE-3 drafter, tree {tree}", settings,
+                           lambda: heads.build("eagle3", target).to(device=target.device, dtype=target.dtype),
+                           answers, tree=dict(tree)))
+    return rows
+
+
+def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers: dict, save: Callable[[], None],
+              started: float) -> None:
+    """Set up every row, then time them in `settings.repeats` interleaved rounds, into `result["rows"]`;
+    whatever would start after the budget is skipped. `answers` gets each row's warm-up output (the rows built
+    by `suite` with the same dict read it). `save()` after every row."""
+    device, records, live = target.device, result["rows"], {}
+    over = lambda: time.perf_counter() - started > settings.budget_seconds  # noqa: E731
+    for row in rows:
+        records[row.name] = {"what": row.what, **row.extra}
+        if over():
+            records[row.name]["skipped"] = f"past the {settings.budget_seconds:g} s budget"
+        else:
+            try:
+                live[row.name], answers[row.name] = row.setup()
+            # One row's failure (a compiler error, memory) must not cost the device call the other rows.
+            except Exception as err:  # noqa: BLE001
+                records[row.name]["error"] = f"{type(err).__name__}: {err}"[:2000]
+                print(f"{row.name}: {records[row.name]['error']}", file=sys.stderr, flush=True)
+        save()
+    for _ in range(settings.repeats):
+        for name, run in live.items():
+            if over():
+                records[name].setdefault("skipped_runs", 0)
+                records[name]["skipped_runs"] += 1
+                continue
+            sync(device)
+            tic = time.perf_counter()
+            new, stats = run()
+            sync(device)
+            record = records[name]
+            record.setdefault("seconds_all", []).append(time.perf_counter() - tic)
+            record.update(new_tokens=len(new), target_forwards=stats["target_forwards"],
+                          first_difference_vs_hf=first_difference(new, answers["hf_eager"]))
+            if "followed" in stats:
+                record["followed"] = stats["followed"]
+            if len(stats.get("accepted_lengths", ())) > 1:  # the last step may be cut short by the token budget
+                record["accepted_per_step"] = statistics.mean(stats["accepted_lengths"][:-1])
+            save()
+
+
+def first_difference(a: list[int], b: list[int]) -> int | None:
+    """The first index where the two differ (the shorter's length if one is a prefix); None if equal."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def summarize(result: dict) -> None:
+    """Per timed row: median seconds, tokens/s, ms per step, tau, speed-ups, the floor's share of a step, and an
+    oracle's ideal (its tau in tokens for the price of one `none` step)."""
+    rows, floor_ms = result["rows"], result["memory_floor_ms"]
+    for r in rows.values():
+        if not r.get("seconds_all"):
+            continue
+        r["seconds"] = statistics.median(r["seconds_all"])
+        r["tokens_per_s"] = r["new_tokens"] / r["seconds"]
+        r["ms_per_step"] = 1000 * r["seconds"] / r["target_forwards"]
+        r["tau"] = r["new_tokens"] / r["target_forwards"]
+        if floor_ms is not None:
+            r["floor_share"] = floor_ms / r["ms_per_step"]
+    for r in rows.values():
+        for ref in ("hf_eager", "hf_static", "none"):
+            if "tokens_per_s" in r and "tokens_per_s" in rows.get(ref, {}):
+                r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / rows[ref]["tokens_per_s"]
+        if "expected_tau" in r and "tokens_per_s" in r and "tokens_per_s" in rows.get("none", {}):
+            r["fraction_of_ideal"] = r["tokens_per_s"] / (r["tau"] * rows["none"]["tokens_per_s"])
+
+
+def verify_by_width(target, context: int, repeats: int) -> dict:
+    """ms of the verify forward (mask, forward, cache writes) on a chain of n new nodes after `context` tokens."""
+    from infer.tuning.timing import block_costs
+
+    costs = block_costs(target, target, context, list(VERIFY_WIDTHS), repeats)
+    return {str(n): 1000 * s for n, s in costs.items()}
+
+
+def to_markdown(result: dict) -> str:
+    floor = result["memory_floor_ms"]
+    lines = [f"{result['shape']} ({result['parameters'] / 1e9:.2f} B parameters, {result['weight_gb']:.2f} GB in "
+             f"{result['dtype']}) on {result['environment']['device_name']}; memory floor of a step "
+             + (f"{floor:.2f} ms ({result['bandwidth_source']}, {result['bandwidth_gb_s']:g} GB/s)" if floor else
+                f"unknown ({result['bandwidth_source']})"), "",
+             "| row | tokens/s | ms/step | tau | tokens per drafting step | expected | vs hf_eager | vs hf_static | "
+             "floor share | first diff vs hf |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for name, r in result["rows"].items():
+        if "tokens_per_s" not in r:
+            lines.append(f"| {name} | {r.get('skipped') or r.get('error', 'not run')} |" + " |" * 9)
+            continue
+        cells = [_cell(r, key, fmt) for key, fmt in (("accepted_per_step", ".2f"), ("expected_tau", ".2f"), ("speedup_vs_hf_eager", ".2f"),
+                                                     ("speedup_vs_hf_static", ".2f"), ("floor_share", ".0%"),
+                                                     ("first_difference_vs_hf", "d"))]
+        lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['tau']:.2f} | "
+                     + " | ".join(cells) + " |")
+    widths = result.get("verify_ms_by_width")
+    if isinstance(widths, dict) and "error" not in widths and "skipped" not in widths:
+        lines += ["", "verify forward by width (nodes: ms): " + ", ".join(f"{n}: {ms:.2f}" for n, ms in widths.items())]
+    return "\n".join(lines) + "\n"
+
+
+def _cell(record: dict, key: str, fmt: str) -> str:
+    return format(record[key], fmt) if record.get(key) is not None else "-"
+
+
+def settings_from(args) -> Settings:
+    """The suite's settings from scripts/bench.py's arguments; a --tree must give depth, top_k and total_tokens."""
+    from train.bench.methods import parse_tree
+
+    tree = {**EAGLE2_TREE, **parse_tree(args.tree)}
+    unknown = set(tree) - set(EAGLE2_TREE)
+    if unknown:
+        raise ValueError(f"--tree {args.tree}: with --random-target the tree takes depth, top_k and total_tokens "
+                         f"only, not {sorted(unknown)}")
+    return Settings(new_tokens=args.max_new_tokens, repeats=args.repeats, compile=not args.no_compile,
+                    budget_seconds=args.budget_seconds, alphas=tuple(args.oracle) or ORACLE_ALPHAS,
+                    depth=args.oracle_depth, tree=tree, seed=args.seed)
+
+
+def run_random_target(args, argv=None) -> int:
+    """`scripts/bench.py --random-target SHAPE`: build the target, run the suite, write results.json/.md."""
+    import transformers
+
+    from infer.random_target import build_random_target, shape_config
+
+    started = time.perf_counter()
+    settings = settings_from(args)
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    target = build_random_target(args.random_target, device, dtype, seed=args.seed)  # refuses what cannot fit
+    parameters = sum(p.numel() for p in target.parameters())
+    weight_bytes = parameters * target.dtype.itemsize
+    gbs, source = bandwidth(device, args.bandwidth_gbs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
+              "shape": args.random_target, "config": {k: v for k, v in shape_config(args.random_target).to_dict().items()
+                                                      if k in ("model_type", "hidden_size", "num_hidden_layers",
+                                                               "vocab_size", "tie_word_embeddings")},
+              "dtype": args.dtype, "parameters": parameters, "weight_gb": weight_bytes / 1e9,
+              "bandwidth_gb_s": gbs, "bandwidth_source": source,
+              "memory_floor_ms": 1000 * weight_bytes / (gbs * 1e9) if gbs else None,
+              "build_seconds": time.perf_counter() - started,
+              "settings": {**vars(settings), "prompt_tokens": args.prompt_tokens, "batch_size": 1, "greedy": True},
+              "environment": {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                              "torch": torch.__version__, "transformers": transformers.__version__,
+                              "torch_threads": torch.get_num_threads()},
+              "rows": {}}
+
+    def save() -> None:
+        (out / "results.json").write_text(json.dumps(result, indent=1) + "\n")
+
+    generator = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, target.config.vocab_size, (1, args.prompt_tokens), generator=generator).to(device)
+    answers = {}
+    run_suite(target, suite(target, ids, settings, answers), settings, result, answers, save, started)
+    if time.perf_counter() - started > settings.budget_seconds:
+        result["verify_ms_by_width"] = {"skipped": f"past the {settings.budget_seconds:g} s budget"}
+    else:
+        result["verify_ms_by_width"] = verify_by_width(target, args.prompt_tokens, settings.repeats)
+    result["seconds"] = time.perf_counter() - started
+    summarize(result)
+    save()
+    (out / "results.md").write_text(to_markdown(result))
+    print(to_markdown(result))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
+    return 0
