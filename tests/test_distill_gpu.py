@@ -1,10 +1,9 @@
-"""scripts/distill_gpu.py end to end on a tiny target on the CPU: sampled answers regenerated and joined to
+"""train/distill_gpu.py (scripts/distill_gpu.py) end to end on a tiny target on the CPU: sampled answers regenerated and joined to
 the greedy ones, then a budgeted training run that leaves a drafter and a report."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import subprocess
 import sys
@@ -13,6 +12,7 @@ from pathlib import Path
 from train_fixtures import conversations, save_tiny_target, write_alpaca, write_messages
 
 import heads
+from train import distill_gpu
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,10 +42,6 @@ def test_distill_gpu_end_to_end_on_a_tiny_target(tmp_path):
 
 def test_the_sampling_seed_reaches_regenerate(monkeypatch, tmp_path):
     # a later GPU session draws new answers to the same prompts with another seed
-    spec = importlib.util.spec_from_file_location("distill_gpu", ROOT / "scripts" / "distill_gpu.py")
-    distill_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(distill_gpu)
-
     commands = []
     monkeypatch.setattr(distill_gpu.subprocess, "run", lambda command, **_: commands.append(command))
     args = argparse.Namespace(target="t", prompts="p.json", max_prompts=3, samples=2, temperature=0.7, top_p=0.9,
