@@ -53,6 +53,11 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()
     # True if propose() leaves no state behind, so a wrapper (LookupFirstDrafter) may skip it for a step.
     pure_propose: bool = False
+    # Set by the engine before any call where its step runs on a GPU (`infer.options.Plan.captured_step`): propose
+    # reads nothing on the host. A drafter that honours it drafts trees of a fixed shape (no early stop, no trimming
+    # to the nodes in use), trading a little drafting for a queue that never drains; on a CPU, where a read costs
+    # next to nothing, it stays False and drafting stops early where it can.
+    sync_free: bool = False
 
     def check_target(self, target) -> None:
         """Raise ValueError if this drafter cannot serve `target`."""

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
-from . import cpu
+from . import cpu, cuda
 from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
@@ -155,6 +155,10 @@ class Engine:
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         if options.compile:
             self._compile(own)
+        self.captured_step = plan.captured_step
+        if plan.captured_step:  # the verify forward over static buffers per bucket; drafting reads nothing
+            self._verify_forward = cuda.StepGraphs(target)
+            own.sync_free = True
         self._packed = cpu.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
         self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
@@ -239,7 +243,7 @@ class Engine:
         kv = self._new_cache(input_ids, max(rows.limit))  # what the context lets the rows emit, not what was asked
         self._lean = self._lean_forward(settings)
         stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
-                 "target_seconds": 0.0, "verify_forward": "lean" if self._lean is not None else "transformers",
+                 "target_seconds": 0.0, "verify_forward": self._verify_forward_name(),
                  "int8_argmax": self._lean is not None and self._lean.argmax_head is not None}
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -337,8 +341,8 @@ class Engine:
         hidden = tuple(h.gather(1, acc.path[..., None].expand(-1, -1, h.shape[-1])) for h in self._features(out))
         step = TargetStep(tokens=tree.tokens.gather(1, acc.path), valid=keep,
                           hidden=hidden, next_tokens=acc.bonus)
-        if tree.scored is not None:
-            step.scored_logits, step.scored_valid = out.logits[:, n:m], tree.scored.valid
+        if tree.scored is not None:  # a copy: a captured forward's logits are overwritten by the next step's
+            step.scored_logits, step.scored_valid = out.logits[:, n:m].clone(), tree.scored.valid
         return step, acc, seen
 
     def _verify_forward_block(self, kv: KVState, tokens, offsets, attend, valid):
@@ -352,12 +356,18 @@ class Engine:
                 return forward_block(self._verify_forward, kv, offsets, attend, valid, input_ids=tokens,
                                      output_hidden_states=hidden)
             except Exception as err:  # noqa: BLE001 -- any compiler failure: go on eagerly, as promised
-                warnings.warn(f"compiling the target's verify forward failed ({type(err).__name__}: "
-                              f"{str(err)[:200]}); verifying goes on without compiling", stacklevel=4)
+                what = "capturing" if self.captured_step else "compiling"
+                warnings.warn(f"{what} the target's verify forward failed ({type(err).__name__}: "
+                              f"{str(err)[:200]}); verifying goes on without {what}", stacklevel=4)
                 self._verify_forward = None
                 kv.rollback(size)
         model = self._lean if self._lean is not None else self.target
         return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
+
+    def _verify_forward_name(self) -> str:
+        if isinstance(self._verify_forward, cuda.StepGraphs):
+            return "cuda graphs" if self._verify_forward.capture else "static buffers"
+        return "lean" if self._lean is not None else "transformers"
 
     def _lean_forward(self, settings: _Settings) -> cpu.lean_forward.LeanForward | None:
         """This call's lean forward of the target, or None where the model's own runs (`cpu.lean_verify_forward`)."""

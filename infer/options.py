@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 from .drafting import Drafter
 
 _FLAGS = ("typical_acceptance", "compile", "int8_argmax", "int8_drafter")  # True or False
-_AUTO_FLAGS = ("cpu_prepack", "lookup_first", "lean_verify", "draft_batches")  # True, False or None (where it pays)
+_AUTO_FLAGS = ("cpu_prepack", "lookup_first", "lean_verify", "draft_batches", "captured_step")  # True, False or None (where it pays)
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,12 @@ class EngineOptions:
     `infer.policy.BATCH_MARGIN` (`infer.calibrate.predict_batch`: timed on the first call of each batch size,
     then cached), else with no drafts; the same output either way, and `last_stats["batch_drafting"]` says which
     ran and why. True = always draft; False = a call of several rows never drafts. One-row calls always draft.
+
+    `captured_step` (needs `static_cache`): the target's verify forward runs over static input buffers, one set per
+    `infer.engine.VERIFY_BUCKETS` node count, captured as a CUDA graph per bucket on a GPU and replayed every step
+    (`infer.cuda.StepGraphs`), and the drafter drafts without host reads (`infer.drafting.Drafter.sync_free`). On a
+    CPU the same buffers run uncaptured, which only tests the path. None = on for a CUDA target with `static_cache`
+    and without `compile` (whose CUDA graphs would capture the same forward); True with `compile` is an error.
     """
 
     typical_acceptance: bool = False
@@ -97,6 +103,7 @@ class EngineOptions:
     int8_argmax: bool = True
     int8_drafter: bool = True
     draft_batches: bool | None = None
+    captured_step: bool | None = None
 
     def __post_init__(self):
         for name in _FLAGS:
@@ -108,6 +115,11 @@ class EngineOptions:
         static = self.static_cache
         if not isinstance(static, (bool, int)) or (type(static) is int and static < 1):
             raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static!r}")
+        if self.captured_step and not self.static_cache:
+            raise ValueError("captured_step=True needs static_cache (True or a number of tokens): graphs are captured "
+                             "over the preallocated cache")
+        if self.captured_step and self.compile:
+            raise ValueError("captured_step=True and compile=True both capture the verify forward; pass one of them")
         if self.tree is not None and not isinstance(self.tree, dict) and self.tree != "calibrated":
             raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {self.tree!r}")
         if self.tokenizer is not None and not callable(getattr(self.tokenizer, "get_vocab", None)):
@@ -144,3 +156,5 @@ class Plan:
     drafter_stream_rows: int | None  # a drafter with lean forwards of its own runs them so (None: its modules)
     # per batch size of more than one row: whether the call drafts, and why (None: it does, nothing predicted)
     batch_drafting: Callable[[int], dict | None] | None = None
+    # the verify forward over static buffers per node bucket (CUDA graphs on a GPU), and drafting without host reads
+    captured_step: bool = False

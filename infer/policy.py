@@ -2,9 +2,10 @@
 
 Every option left to "where it pays" is decided here, before the engine exists, by timing this machine where it
 must (each timing cached per machine): prepacked weights and the streamed kernel's block sizes, the lean verify
-forward (`infer.tuning.plan`), a calibrated tree (`infer.calibrate.calibrated_tree`), and whether a call of several
-rows drafts (`BatchDrafting`, asked by the engine at each call of several rows, timed on the first of each batch
-size). The engine (`infer.engine.Engine`) runs the resulting `Plan` and decides nothing.
+forward (`infer.tuning.plan`), a calibrated tree (`infer.calibrate.calibrated_tree`), the captured step on a GPU
+(`captured_step`), and whether a call of several rows drafts (`BatchDrafting`, asked by the engine at each call of
+several rows, timed on the first of each batch size). The engine (`infer.engine.Engine`) runs the resulting `Plan`
+and decides nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +36,17 @@ def settle(target, drafter, options: EngineOptions) -> Plan:
     if options.draft_batches is None and hasattr(drafter, "as_drafter") and calibration and calibration.get("measured"):
         drafted = drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})  # the tree it drafts
         settled = replace(settled, batch_drafting=BatchDrafting(target, drafter, drafted, prepack))
-    return settled
+    return replace(settled, captured_step=captured_step(target, options))
+
+
+def captured_step(target, options: EngineOptions) -> bool:
+    """Whether the step runs captured (`EngineOptions.captured_step`): as asked, else on a CUDA target with a static
+    cache and no `compile` (whose own CUDA graphs would capture the verify forward), where launches and host reads,
+    not the weights' bytes, bound a step's time."""
+    if options.captured_step is not None:
+        return options.captured_step
+    device = next(target.parameters()).device
+    return bool(options.static_cache) and not options.compile and device.type == "cuda"
 
 
 class BatchDrafting:

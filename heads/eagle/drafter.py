@@ -46,11 +46,12 @@ class StaticLevels:
         self.depth = max(depth)
         has_children = set(parents[1:])
         frontier = [0]  # node ids expanded at the previous depth, in order
-        self.parent_pos, self.ranks, self.expand = {}, {}, {}
+        self.parent_pos, self.ranks, self.expand, self.width = {}, {}, {}, {}
         for d in range(1, self.depth + 1):
             level = [i for i in range(len(parents)) if depth[i] == d]
             self.parent_pos[d] = torch.tensor([frontier.index(parents[i]) for i in level])
             self.ranks[d] = torch.tensor([ranks[i] for i in level])
+            self.width[d] = max(ranks[i] for i in level) + 1  # candidates per frontier node: known here, not read
             self.expand[d] = torch.tensor([j for j, i in enumerate(level) if i in has_children], dtype=torch.long)
             frontier = [i for i in level if i in has_children]
 
@@ -103,7 +104,8 @@ class EagleDrafter(HeadDrafter):
     def propose(self, budget: torch.Tensor) -> DraftTree:
         # budget: [B]
         b = self.root.shape[0]
-        max_depth = min(self.max_depth, int(budget.max()))
+        # sync_free (a GPU's step): no read of the budget; nodes past it are drafted invalid and rank last
+        max_depth = self.max_depth if self.sync_free else min(self.max_depth, int(budget.max()))
         tokens, parents = [self.root[:, None]], [torch.full_like(self.root[:, None], -1)]
         scores = [torch.zeros(b, 1, device=self.root.device)]
         valid = [torch.ones(b, 1, dtype=torch.bool, device=self.root.device)]
@@ -123,11 +125,11 @@ class EagleDrafter(HeadDrafter):
             tokens.append(self.model.draft_to_target(c_tok))
             parents.append(f_node.gather(1, c_from))
             scores.append(c_score)
-            valid.append(expanding[:, None].expand_as(c_tok))
+            valid.append((expanding & (d <= budget) if self.sync_free else expanding)[:, None].expand_as(c_tok))
             first, num_nodes = num_nodes, num_nodes + c_tok.shape[1]
             if self.log_min_confidence is not None:
                 expanding = expanding & (c_score.max(1).values >= self.log_min_confidence)
-            if d == max_depth or not expanding.any():
+            if d == max_depth or (not self.sync_free and not expanding.any()):
                 break
             pick = self._next_frontier(d, c_score)  # [B, F'] indices into this depth's children
             if pick.shape[1] == 0:  # no deeper node could be kept
@@ -154,7 +156,7 @@ class EagleDrafter(HeadDrafter):
             c_from = torch.arange(f, device=f_logp.device).repeat_interleave(k).expand(b, f * k)
             return top.indices.flatten(1), top.values.flatten(1), c_from
         pos, ranks = self.static.parent_pos[d].to(f_logp.device), self.static.ranks[d].to(f_logp.device)
-        top = f_logp.topk(min(int(ranks.max()) + 1, v), dim=-1)  # [B, F, R]
+        top = f_logp.topk(min(self.static.width[d], v), dim=-1)  # [B, F, R]
         ranks = ranks.clamp(max=top.indices.shape[2] - 1)
         return top.indices[:, pos, ranks], top.values[:, pos, ranks], pos.expand(b, -1)
 
@@ -200,6 +202,8 @@ class EagleDrafter(HeadDrafter):
         log-prob (fewer when every row stopped early with fewer)."""
         if self.static is not None:
             return DraftTree(tokens, parents, valid, scores=scores)
+        if self.sync_free:  # a fixed node count, padded with invalid nodes where rows stopped early
+            return keep_best(tokens, parents, scores, self.tree["total_tokens"], valid, check=False)
         most_valid = int(valid.sum(1).max()) - 1
         return keep_best(tokens, parents, scores, min(self.tree["total_tokens"], most_valid), valid)
 
@@ -209,9 +213,10 @@ class EagleDrafter(HeadDrafter):
             self.last_logits[rows]
 
 
-def keep_best(tokens, parents, scores, total: int, valid=None) -> DraftTree:
+def keep_best(tokens, parents, scores, total: int, valid=None, check: bool = True) -> DraftTree:
     """The root and the `total` drafted nodes of highest cumulative draft log-prob `scores`, invalid nodes
-    last; the kept nodes' scores ride along in the tree.
+    last; the kept nodes' scores ride along in the tree. `check`: assert the kept set is ancestor-closed (a host
+    read; the engine's step checks every tree anyway, `infer.tree.DraftTree.malformed`).
 
     A child never scores above its parent and comes after it, and an invalid node's children are invalid,
     so a stable descending sort ranks parents first and the kept set is ancestor-closed. Kept nodes stay in
@@ -229,5 +234,5 @@ def keep_best(tokens, parents, scores, total: int, valid=None) -> DraftTree:
     new_id.scatter_(1, nodes, torch.arange(nodes.shape[1], device=nodes.device).expand_as(nodes))
     old_parent = parents.gather(1, nodes)
     new_parent = torch.where(old_parent >= 0, new_id.gather(1, old_parent.clamp(min=0)), -1)
-    assert (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
+    assert not check or (new_parent[:, 1:] >= 0).all(), "reranked draft tree is not ancestor-closed"
     return DraftTree(tokens.gather(1, nodes), new_parent, valid.gather(1, nodes), scores=scores.gather(1, nodes))

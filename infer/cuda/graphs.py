@@ -1,0 +1,110 @@
+"""The target's verify forward as one CUDA graph per node bucket, over the static KV cache.
+
+A verify step of a transformers model launches hundreds of small kernels from Python (a few per layer per op), and
+on a GPU at batch 1 their launches, not the weights' bytes, bound the step. Captured once per block shape and
+replayed, the whole forward is one launch. What a capture needs, the static cache gives: the KV buffers, the layers'
+write counters (`StaticLayer.cumulative_length`, device tensors) and the attention masks
+(`infer.kv.KVState.mask` writes each block size's into one kept buffer) keep their addresses from step to step, and
+a verify block is padded to one of a few node counts (`infer.engine.VERIFY_BUCKETS`). The rest of the forward's
+inputs (token ids, position ids, cache positions) are copied into buffers kept per bucket.
+
+`StepGraphs` stands where the target's forward would: `KVState.forward` calls it with the target's keywords.
+Without CUDA (`capture=False`), it runs the target on the same kept buffers uncaptured: the path the tests check on
+a CPU, token for token against transformers' generate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# Uncaptured runs before a capture: kernels that pick an algorithm or allocate a workspace on first use (cuBLAS,
+# sdpa) do so outside the graph.
+WARMUP_RUNS = 2
+
+
+@dataclass
+class _Graph:
+    """One bucket's kept input buffers, and its graph (None: run uncaptured) with the outputs it writes."""
+
+    input_ids: torch.Tensor  # [B, S]
+    position_ids: torch.Tensor  # [B, S]
+    cache_position: torch.Tensor  # [S]
+    graph: torch.cuda.CUDAGraph | None = None
+    output: object = None  # the model output whose tensors the graph overwrites at every replay
+
+
+class StepGraphs:
+    """The target's forward for verify blocks, captured per block shape (`capture`, default: on a CUDA device).
+
+    A graph is kept per (block shape, mask buffers, KV buffers, hidden states asked): a new static cache (another
+    batch size, a grown cache, rows dropped) or a new mask buffer captures anew, so a replay never writes into
+    buffers that are gone. The output of a replay is overwritten by the next one: read it before the next step."""
+
+    def __init__(self, target, capture: bool | None = None):
+        self._orig_mod = target  # where `infer.kv.cache_argument` looks for the model class
+        self.capture = target.device.type == "cuda" if capture is None else capture
+        if self.capture and target.device.type != "cuda":
+            raise ValueError(f"a CUDA graph needs a CUDA target; this one is on {target.device}")
+        self._graphs: dict[tuple, _Graph] = {}
+        self._pool = None  # one memory pool for all buckets: one step replays one graph, whose outputs it reads first
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._orig_mod.dtype
+
+    def __call__(self, *, input_ids, attention_mask, position_ids, cache_position, **inputs):
+        # input_ids, position_ids: [B, S]; cache_position: [S]; attention_mask: [B, 1, S, capacity] or one per
+        # layer type; inputs: the cache (under the model's keyword), use_cache, output_hidden_states
+        cache = next(v for k, v in inputs.items() if k in ("cache", "past_key_values"))
+        key = (tuple(input_ids.shape), _pointers(attention_mask), _pointers([layer.keys for layer in cache.layers
+                                                                              if getattr(layer, "is_initialized", False)]),
+               bool(inputs.get("output_hidden_states")))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = _Graph(input_ids.clone(), position_ids.clone(), cache_position.clone())
+            if self.capture:
+                self._record(graph, attention_mask, cache, inputs)
+        graph.input_ids.copy_(input_ids)
+        graph.position_ids.copy_(position_ids)
+        graph.cache_position.copy_(cache_position)
+        if graph.graph is None:
+            return self._forward(graph, attention_mask, inputs)
+        graph.graph.replay()
+        return graph.output
+
+    def _forward(self, graph: _Graph, attention_mask, inputs):
+        return self._orig_mod(input_ids=graph.input_ids, attention_mask=attention_mask,
+                              position_ids=graph.position_ids, cache_position=graph.cache_position, **inputs)
+
+    def _record(self, graph: _Graph, attention_mask, cache, inputs) -> None:
+        """Warm up on a side stream, then capture one forward. Both advance the layers' write counters and write
+        the block's slots, which are uncommitted: the counters are put back, and the replay that follows writes
+        the slots anew."""
+        counters = [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
+        saved = [c.clone() for c in counters]
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(WARMUP_RUNS):
+                self._forward(graph, attention_mask, inputs)
+                for c, s in zip(counters, saved, strict=True):
+                    c.copy_(s)
+        torch.cuda.current_stream().wait_stream(stream)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph.graph, pool=self._pool):
+            graph.output = self._forward(graph, attention_mask, inputs)
+        for c, s in zip(counters, saved, strict=True):  # capture records the counters' advance without running it
+            c.copy_(s)
+
+
+def _pointers(tensors) -> tuple:
+    """The addresses, shapes and dtypes of a tensor, a dict of them (masks per layer type) or a list."""
+    if isinstance(tensors, torch.Tensor):
+        return ((tensors.data_ptr(), tuple(tensors.shape), tensors.dtype),)
+    if isinstance(tensors, dict):
+        return tuple((name, *_pointers(t)) for name, t in sorted(tensors.items()))
+    return tuple(p for t in tensors for p in _pointers(t))
