@@ -1,0 +1,97 @@
+"""The GPU benchmark's parts that need no GPU: random-weight targets of named shapes (sizes known before anything
+is allocated, refused where they do not fit), its bad inputs, and a CPU dry run of the whole suite on the tiny
+shape (every row, outputs exact in fp32, the oracle's acceptance as alpha sets it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from infer import random_target
+from infer.drafters.oracle import expected_tokens_per_step
+from infer.random_target import SHAPES, build_random_target, parameter_bytes, shape_config
+from train import bench
+from train.bench import gpu
+
+
+def test_shapes_are_sized_before_allocation_and_built_as_the_real_models():
+    # the published parameter counts, from configs on the meta device (nothing allocated)
+    for name, billions in (("llama3-1b", 1.236), ("llama3-8b", 8.030), ("qwen3-8b", 8.191), ("llama3-70b", 70.554)):
+        assert parameter_bytes(shape_config(name), torch.bfloat16) / 2e9 == pytest.approx(billions, abs=0.001), name
+    model = build_random_target("tiny", dtype=torch.bfloat16)
+    assert model.dtype == torch.bfloat16 and model.generation_config.eos_token_id is None
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as 'tiny' and Llama-3.2-1B are
+    assert sum(p.numel() * 2 for p in model.parameters()) == parameter_bytes(model.config, torch.bfloat16)
+    assert not shape_config("llama3-8b").tie_word_embeddings
+    # same seed, same weights: a run's rows and a rerun see one target
+    again = build_random_target("tiny", dtype=torch.bfloat16)
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, again.model.layers[0].mlp.up_proj.weight)
+
+
+def test_bad_shapes_devices_and_sizes_are_refused_before_loading(monkeypatch, capsys):
+    with pytest.raises(ValueError, match="unknown random target shape 'llama9'; the shapes are: tiny, llama3-1b"):
+        build_random_target("llama9")
+    with pytest.raises(SystemExit):
+        bench.main(["--random-target", "llama9"])
+    assert "the shapes are: " + ", ".join(SHAPES) in capsys.readouterr().err
+    monkeypatch.setattr(random_target, "free_memory_bytes", lambda device: 2_000_000_000)
+    with pytest.raises(ValueError, match=r"'llama3-1b' has 2\.5 GB of weights in bfloat16, more than 90% of the 2\.0 GB"):
+        build_random_target("llama3-1b", dtype=torch.bfloat16)
+    with pytest.raises(SystemExit):  # the rows that need a real target
+        bench.main(["--random-target", "tiny", "--drafter", "ngram"])
+    assert "--drafter needs a real target" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.main(["--out", "x"])
+    assert "--questions is required (or --random-target SHAPE" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the machine has a GPU")
+def test_cuda_without_a_gpu_says_so(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--random-target", "tiny", "--device", "cuda"])
+    assert "this machine has 0 CUDA device(s)" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="this machine has 0 CUDA device"):
+        build_random_target("tiny", "cuda")
+
+
+def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
+    out = tmp_path / "gpu"
+    assert bench.main(["--random-target", "tiny", "--no-compile", "--oracle", "0.9", "--max-new-tokens", "200",
+                       "--prompt-tokens", "16", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
+    result = json.loads((out / "results.json").read_text())
+    rows = result["rows"]
+    assert list(rows) == ["hf_eager", "hf_static", "none", "none_static", "oracle:0.9", "oracle_tree:0.9",
+                          "oracle:0.9+static", "eagle3_tree60"]
+    for name, r in rows.items():
+        assert "error" not in r and "skipped" not in r, (name, r)
+        assert r["new_tokens"] == 200 and r["tokens_per_s"] > 0 and r["ms_per_step"] > 0, name
+        assert r["first_difference_vs_hf"] is None, name  # fp32 on a CPU: every row exact
+        assert r["floor_share"] > 0 and "speedup_vs_hf_static" in r
+    assert rows["hf_eager"]["tau"] == 1.0 and rows["none"]["tau"] == 1.0
+    # the oracle's acceptance is alpha's: 0.9 in chains of 8 gives 6.13 tokens a step on average
+    assert rows["oracle:0.9"]["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 8))
+    for name in ("oracle:0.9", "oracle:0.9+static"):
+        assert rows[name]["accepted_per_step"] == pytest.approx(rows[name]["expected_tau"], abs=1.2), name
+        assert rows[name]["followed"] == 0 and rows[name]["fraction_of_ideal"] > 0
+    tree = rows["oracle_tree:0.9"]
+    assert tree["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 6, 8, 60))
+    assert tree["accepted_per_step"] == pytest.approx(tree["expected_tau"], abs=1.2)
+    assert set(result["verify_ms_by_width"]) == {"1", "8", "32", "64", "128"}
+    assert result["memory_floor_ms"] > 0 and result["bandwidth_source"] == "measured read bandwidth (CPU)"
+    assert result["settings"]["tree"] == gpu.EAGLE2_TREE and result["settings"]["compile"] is False
+    md = (out / "results.md").read_text()
+    assert "| oracle_tree:0.9 |" in md and "verify forward by width" in md
+
+
+def test_rows_past_the_budget_are_skipped_and_said_so(tmp_path):
+    out = tmp_path / "late"
+    assert bench.main(["--random-target", "tiny", "--no-compile", "--budget-seconds", "1e-9", "--out", str(out),
+                       "--bandwidth-gbs", "4800", "--threads", "1"]) == 0
+    result = json.loads((out / "results.json").read_text())
+    assert all("past the 1e-09 s budget" in r["skipped"] for r in result["rows"].values())
+    assert "skipped" in result["verify_ms_by_width"]
+    assert result["bandwidth_gb_s"] == 4800 and result["bandwidth_source"] == "--bandwidth-gbs"
+    # the floor is the weights' bytes at that bandwidth
+    assert result["memory_floor_ms"] == pytest.approx(1000 * result["weight_gb"] / 4800)
