@@ -35,6 +35,7 @@ class TrainConfig:
     eval_fraction: float = 0.05  # share of conversations held out for evaluation
     max_eval_samples: int = 200  # cap on the held-out split (evaluation runs often)
     group_by_length: bool = True  # batch samples of similar length together (less padding)
+    pack: bool = False  # pack each micro-batch's samples into rows of max_length tokens (train/packing.py): no padding between them, attention and labels never cross a sample, the same loss and gradients as one sample per row
 
     # --- target features ---
     features: str = "online"  # online: run the frozen target in the loop; offline: compute once and cache on disk
@@ -76,6 +77,8 @@ class TrainConfig:
     output_dir: str = "runs/drafter"  # checkpoints go to <output_dir>/checkpoints, the trained drafter to <output_dir>/drafter
     log_every: int = 10  # optimizer steps between log lines
     eval_every: int = 0  # optimizer steps between evaluations (0 = only at the end)
+    keep_best: bool = True  # with eval_every: the drafter of the evaluation with the highest simulated_tau (the drafter's tree's expected acceptance) is kept in <output_dir>/best
+    early_stop_patience: int = 0  # with eval_every: end the run (final evaluation, drafter folder) after this many evaluations without a higher simulated_tau (0 = never)
     save_every: int = 0  # optimizer steps between checkpoints (0 = none)
     keep_checkpoints: int = 2  # newest checkpoints kept on disk
     resume: bool = False  # continue from the newest intact checkpoint in <output_dir>/checkpoints, with the same settings
@@ -182,6 +185,7 @@ NON_NEGATIVE = {
     "lora_r": "0 = frozen target",
     "log_every": "0 = no log lines",
     "eval_every": "0 = only at the end",
+    "early_stop_patience": "0 = never stop early",
     "save_every": "0 = no checkpoints",
     "halt_after_steps": "0 = never halt",
     "max_train_minutes": "0 = no time budget",
@@ -227,6 +231,9 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"config key 'feature_cache_dir' {config.feature_cache_dir!r} is a file; give a folder for "
                          "the feature cache")
     check_ranges(config)
+    if config.early_stop_patience and not (config.eval_every and config.eval_fraction > 0):
+        raise ValueError(f"early_stop_patience={config.early_stop_patience} stops on held-out evaluations: set "
+                         "eval_every > 0 and eval_fraction > 0, or early_stop_patience: 0")
     if config.lora_r > 0 and config.lora_alpha <= 0:
         raise ValueError(f"config key 'lora_alpha' must be > 0 with lora_r > 0, got {config.lora_alpha}")
     if not config.output_dir:

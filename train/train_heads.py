@@ -56,19 +56,22 @@ from train.data import (  # noqa: E402
 )
 from train.features import FeatureCache, OfflineFeatures, OnlineFeatures, cache_key, needed_layers  # noqa: E402
 from train.objectives import build_objective  # noqa: E402
+from train.packing import pack_collate  # noqa: E402
 from train.sharding import check_sharding, place_target  # noqa: E402
 from train.target import load_target, target_fingerprint  # noqa: E402
 
 ESTIMATE_NOTE = ("estimated from teacher-forced held-out text (per-step top-1 accuracy), not measured by "
                  "speculative decoding")
-RUN_FILES = ("checkpoints", "drafter", "history.jsonl", "result.json")  # what makes an output_dir used
+BEST = "best"  # <output_dir>/best: the drafter of the evaluation with the highest simulated_tau (keep_best)
+RUN_FILES = ("checkpoints", "drafter", BEST, "history.jsonl", "result.json")  # what makes an output_dir used
 UNTIMED_STEPS = 3  # optimizer steps left out of the measured pace (result["seconds_per_step"])
 MANIFEST = "checkpoint.json"  # written last in a checkpoint: its files and sizes, the run's settings and inputs
 PREVIOUS_RUN = "previous_run"  # overwrite=true moves the old run here until the new run has saved something
 # Settings a resumed run may change: they decide logging, evaluation and where files go, not the weights.
 RESUMABLE_CHANGES = {"resume", "overwrite", "output_dir", "log_every", "eval_every", "save_every",
                      "keep_checkpoints", "halt_after_steps", "max_train_minutes", "report_to", "wandb_project", "run_name",
-                     "push_to_hub", "progress_bar", "feature_cache_dir", "max_eval_samples", "eval_steps_depth"}
+                     "push_to_hub", "progress_bar", "feature_cache_dir", "max_eval_samples", "eval_steps_depth",
+                     "keep_best", "early_stop_patience"}
 # Settings a resumed run may change with a warning: extending (or shortening) a run is a common wish, and only
 # the learning-rate schedule after the checkpoint differs (it follows the new total).
 WARNED_CHANGES = {"max_steps", "epochs"}
@@ -83,13 +86,17 @@ class Progress:
     batch: int = 0  # next micro-batch index within the epoch
     assistant_tokens_seen: int = 0  # trained (loss-mask) tokens, this process
     history: list = field(default_factory=list)  # one record per optimizer step
+    best_tau: float = 0.0  # the highest simulated_tau of an evaluation so far (keep_best, early_stop_patience)
+    best_step: int = 0  # the step it was measured at (0 = none yet)
+    evals_since_best: int = 0  # evaluations since then that did not beat it
 
     def state_dict(self) -> dict:
         return asdict(self)
 
     def load_state_dict(self, state: dict) -> None:
         for f in fields(self):
-            setattr(self, f.name, state[f.name])
+            if f.name in state:  # a checkpoint saved before a field existed keeps its default
+                setattr(self, f.name, state[f.name])
 
 
 def make_accelerator(config: TrainConfig):
@@ -190,7 +197,8 @@ def feature_batch(features, batch):
 
 @torch.no_grad()
 def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict:
-    """Per-step (per-head) top-1/top-3 and estimated accepted length on the held-out split."""
+    """Per-step (per-head) top-1/top-3, the estimated accepted length and the simulated acceptance of the
+    drafter's own tree (`simulated_tau`, heads.losses.simulated_tau) on the held-out split."""
     if not eval_set:
         return {}
     objective = accelerator.unwrap_model(objective)
@@ -203,14 +211,14 @@ def evaluate(config, accelerator, objective, eval_set, features, pad_id) -> dict
     batches = epoch_batches(lengths, config.batch_size, 0, 0, True)
     loss_sum = torch.zeros(2, dtype=torch.float64, device=accelerator.device)
     for indices in batches[accelerator.process_index::accelerator.num_processes]:
-        batch = move(collate([eval_set[i] for i in indices], indices, pad_id), accelerator.device)
+        batch = make_batch(config, eval_set, indices, pad_id, accelerator.device)
         with accelerator.autocast():
             loss, _ = objective(batch, feature_batch(features, batch), stats=stats, steps=steps)
         loss_sum[0] += loss.detach().double() * len(indices)
         loss_sum[1] += len(indices)
     packed = accelerator.reduce(torch.cat([stats.tensor(), loss_sum]), reduction="sum")
     stats = StepStats.from_tensor(packed[:-2].cpu())
-    out = stats.summary(kind.depth_label)
+    out = stats.summary(kind.depth_label, objective.drafter.config.tree)
     out["eval_loss"] = round(float(packed[-2] / packed[-1].clamp(min=1)), 5)
     objective.train(was_training)
     return out
@@ -376,8 +384,11 @@ def drop_previous_run(config: TrainConfig) -> None:
         print(f"[output] deleted the replaced run in {aside}", flush=True)
 
 
-def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict) -> Path:
-    out = Path(config.output_dir) / "drafter"
+def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict,
+                 folder: Path | None = None, push: bool = True) -> Path:
+    """The drafter (and Medusa-2's target adapter) with its training record and held-out metrics, into
+    `folder` (<output_dir>/drafter); pushed to the Hub when `push` and push_to_hub say so."""
+    out = folder or Path(config.output_dir) / "drafter"
     if not accelerator.is_main_process:
         return out
     drafter = accelerator.unwrap_model(objective).drafter
@@ -397,7 +408,7 @@ def save_drafter(config, accelerator, objective, lora_target, result: dict, data
     drafter.save_pretrained(out)
     if lora_target is not None:
         accelerator.unwrap_model(objective).lora_target.save_pretrained(out / "target_adapter")
-    if config.push_to_hub:
+    if push and config.push_to_hub:
         drafter.push_to_hub(config.push_to_hub)
     return out
 
@@ -459,13 +470,21 @@ def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = N
 
 def check_context(config: TrainConfig, target, samples) -> None:
     """A sample longer than the target's context would train on positions the target never saw (and index
-    past a learned position table): refuse it, naming max_length."""
-    context = getattr(target.config.get_text_config(), "max_position_embeddings", None)
+    past a learned position table): refuse it, naming max_length. Packed rows and sliding-window layers too."""
+    text = target.config.get_text_config()
+    context = getattr(text, "max_position_embeddings", None)
     longest = max(len(s.input_ids) for s in samples)
     if context and longest > context:
         raise ValueError(f"samples of up to {longest} tokens (max_length={config.max_length}) are longer than the "
                          f"target's context of {context} tokens (max_position_embeddings); set max_length <= "
                          f"{context}")
+    sliding = [t for t in (getattr(text, "layer_types", None) or []) if "sliding" in t] or \
+        (getattr(text, "layer_types", None) is None and getattr(text, "use_sliding_window", True))
+    window = getattr(text, "sliding_window", None)
+    if config.pack and sliding and window and window < config.max_length:
+        raise ValueError(f"pack=true gives the target one block-diagonal mask for every layer, but its sliding-window "
+                         f"layers see only {window} tokens and samples may be {config.max_length}: set max_length <= "
+                         f"{window}, or pack: false")
 
 
 # What differs when a fingerprint of `prepare_inputs` does, and what to restore.
@@ -540,10 +559,14 @@ def micro_step(config, accelerator, objective, optimizer, params, batch, feats):
     return loss, logs
 
 
+def data_info(config: TrainConfig, inputs: Inputs) -> dict:
+    return {"data": config.data, "train_samples": len(inputs.train_set), "eval_samples": len(inputs.eval_set),
+            "max_length": config.max_length, "pack": config.pack, "data_stats": asdict(inputs.data_stats)}
+
+
 def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) -> None:
-    data_info = {"data": config.data, "train_samples": len(inputs.train_set), "eval_samples": len(inputs.eval_set),
-                 "max_length": config.max_length, "data_stats": asdict(inputs.data_stats)}
-    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, inputs.lora_target, result, data_info))
+    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, inputs.lora_target, result,
+                                             data_info(config, inputs)))
     if accelerator.is_main_process:
         out = Path(config.output_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -552,28 +575,24 @@ def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) 
         drop_previous_run(config)
 
 
-def train(config: TrainConfig) -> dict:
-    """Run a training; returns {"step", "history", "eval", "drafter_dir", ...}."""
-    from accelerate.utils import set_seed
-    from tqdm.auto import tqdm
+@dataclass
+class Run:
+    """What the optimizer steps change, prepared by accelerate; `progress` is saved with every checkpoint."""
 
-    t_start = time.perf_counter()
-    validate(config)  # again: a TrainConfig built in Python has not been through load_config
-    accelerator = make_accelerator(config)
-    main = accelerator.is_main_process
-    checkpoint = prepare_output_dir(config, accelerator)
-    set_seed(config.seed)
+    objective: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    params: list
+    progress: Progress
+    t_start: float  # when train() began: the best drafter's wall_seconds
 
-    # 1. data, target, drafter and features (online, or an offline cache built once).
-    inputs = prepare_inputs(config, accelerator, checkpoint)
-    train_set, pad_id, total_steps = inputs.train_set, inputs.pad_id, inputs.total_steps
 
-    # 2. objective, optimizer, schedule; resume if asked.
+def setup_run(config: TrainConfig, accelerator, inputs: Inputs, checkpoint: Path | None, t_start: float) -> Run:
+    """Objective, optimizer and schedule, prepared by accelerate; resumed from `checkpoint` if given; trackers."""
     objective = build_objective(inputs.drafter, config, inputs.lora_target).train()
     params = [p for p in objective.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.95))
-    lengths = [len(s.input_ids) for s in train_set]
-    scheduler = make_scheduler(config, optimizer, total_steps)
+    scheduler = make_scheduler(config, optimizer, inputs.total_steps)
     if accelerator.distributed_type.name == "DEEPSPEED":
         accelerator.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = config.batch_size
     objective, optimizer, scheduler = accelerator.prepare(objective, optimizer, scheduler)
@@ -584,86 +603,242 @@ def train(config: TrainConfig) -> dict:
     if config.report_to == "wandb":
         accelerator.init_trackers(config.wandb_project, config=to_dict(config), init_kwargs={"wandb": {
             "name": config.run_name or f"{config.drafter}-{Path(config.target).name}", "dir": config.output_dir}})
+    return Run(objective, optimizer, scheduler, params, progress, t_start)
 
-    # 3. the loop: micro-batches in the epoch's fixed order, from where a resumed run left off.
-    result = {"halted": False}
-    history_file = open_history(config, progress) if main else None
-    bar = tqdm(total=total_steps, initial=progress.step, disable=not (main and config.progress_bar), desc="train")
-    t_train = time.perf_counter()
-    out_of_time = False
-    # The pace leaves out the first steps: kernel choice and allocator warm-up make them several times slower
-    # on a GPU, and a budget sized from them would stop far short (train/budget.py).
-    untimed = progress.step + UNTIMED_STEPS
-    t_steady = None
-    while progress.step < total_steps and not (result["halted"] or out_of_time):
+
+class Pace:
+    """Wall time of the optimizer steps and the tokens they trained on, this process.
+
+    `seconds_per_step` leaves out the first steps: kernel choice and allocator warm-up make them several times
+    slower on a GPU, and a budget sized from them would stop far short (train/budget.py). Tokens per second
+    count the micro-batches' tokens (padding not counted) over the time from a step's first batch to its
+    optimizer step (evaluations and checkpoint saves are not training time), over the steps since the last
+    log line: a timing differs between two runs of the same steps, so it goes only into logged records, and
+    a resumed run's history (log_every=0) stays that of the uninterrupted one.
+    """
+
+    def __init__(self, step: int):
+        self.t_train = time.perf_counter()
+        self.untimed = step + UNTIMED_STEPS
+        self.t_steady: float | None = None
+        self.t_step: float | None = None
+        self.step_tokens = 0
+        self.window = [0, 0.0]  # tokens and seconds since the last log line
+        self.total = [0, 0.0]
+
+    def batch(self, batch: dict) -> None:
+        if self.t_step is None:
+            self.t_step = time.perf_counter()
+        self.step_tokens += int(batch["attention_mask"].sum())
+
+    def stepped(self, step: int) -> dict:
+        """Record fields of the optimizer step just made: the tokens it trained on."""
+        seconds = max(time.perf_counter() - self.t_step, 1e-9)
+        for acc in (self.window, self.total):
+            acc[0], acc[1] = acc[0] + self.step_tokens, acc[1] + seconds
+        record = {"tokens": self.step_tokens}
+        self.t_step, self.step_tokens = None, 0
+        if step == self.untimed:
+            self.t_steady = time.perf_counter()
+        return record
+
+    def rate(self) -> float:
+        """Tokens per second since the last call."""
+        tokens, seconds = self.window
+        self.window = [0, 0.0]
+        return round(tokens / max(seconds, 1e-9), 1)
+
+    def result(self, step: int) -> dict:
+        out = {"train_seconds": round(time.perf_counter() - self.t_train, 1)}
+        if self.t_steady is not None and step > self.untimed:
+            out["seconds_per_step"] = round((time.perf_counter() - self.t_steady) / (step - self.untimed), 4)
+        if self.total[1]:
+            out["tokens_per_second"] = round(self.total[0] / self.total[1], 1)  # per process
+        return out
+
+
+class StepLog:
+    """history.jsonl (one record per optimizer step), the progress bar and its log lines."""
+
+    def __init__(self, config: TrainConfig, accelerator, progress: Progress, total: int):
+        from tqdm.auto import tqdm
+
+        self.config, self.accelerator, self.total = config, accelerator, total
+        self.main = accelerator.is_main_process
+        self.file = open_history(config, progress) if self.main else None
+        self.bar = tqdm(total=total, initial=progress.step, disable=not (self.main and config.progress_bar),
+                        desc="train")
+
+    def write(self, progress: Progress, record: dict, pace: Pace) -> None:
+        logged = self.config.log_every and progress.step % self.config.log_every == 0
+        if logged:
+            record["tokens_per_second"] = pace.rate()  # this process's, since the last log line
+        progress.history.append(record)
+        self.bar.update(1)
+        if self.file is not None:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+        if logged:
+            self.accelerator.log(record, step=progress.step)
+            self.say(f"[train] step {progress.step}/{self.total} loss {record['loss']:.4f} lr {record['lr']:.2e} "
+                     f"{record['tokens_per_second']:.0f} tokens/s")
+
+    def say(self, line: str) -> None:
+        if self.main:
+            self.bar.write(line)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+
+
+def make_batch(config: TrainConfig, samples: list, indices: list[int], pad_id: int, device) -> dict:
+    """The micro-batch of samples[indices]: packed rows of max_length tokens (pack=true), or one sample a row."""
+    chosen = [samples[i] for i in indices]
+    batch = pack_collate(chosen, indices, pad_id, config.max_length) if config.pack else \
+        collate(chosen, indices, pad_id)
+    return move(batch, device)
+
+
+def track_best(config: TrainConfig, accelerator, inputs: Inputs, run: Run, metrics: dict, say) -> bool:
+    """After an evaluation: keep the drafter in <output_dir>/best when its simulated acceptance beats every
+    earlier evaluation's (keep_best); True when early_stop_patience evaluations in a row did not."""
+    tau, progress = metrics.get("simulated_tau"), run.progress
+    if tau is None:
+        return False
+    if tau > progress.best_tau:
+        progress.best_tau, progress.best_step, progress.evals_since_best = tau, progress.step, 0
+        if config.keep_best:
+            save_best(config, accelerator, run, inputs, metrics)
+        return False
+    progress.evals_since_best += 1
+    if config.early_stop_patience and progress.evals_since_best >= config.early_stop_patience:
+        say(f"[eval] simulated_tau has not beaten {progress.best_tau} (step {progress.best_step}) in "
+                f"{progress.evals_since_best} evaluations (early_stop_patience): ending the run here")
+        return True
+    return False
+
+
+def save_best(config: TrainConfig, accelerator, run: Run, inputs: Inputs, metrics: dict) -> None:
+    """The drafter as it is now into <output_dir>/best, swapped in whole: written to best.tmp, then renamed,
+    so a kill leaves the previous best (or best.old, moved back on the next save) and never half of one."""
+    out = Path(config.output_dir)
+    best, tmp, old = out / BEST, out / f"{BEST}.tmp", out / f"{BEST}.old"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not best.exists():
+            os.replace(old, best)  # a kill between the two renames below
+        shutil.rmtree(old, ignore_errors=True)
+        record = {"step": run.progress.step, "eval": metrics,
+                  "wall_seconds": round(time.perf_counter() - run.t_start, 1)}
+        save_drafter(config, accelerator, run.objective, inputs.lora_target, record, data_info(config, inputs),
+                     folder=tmp, push=False)
+        if best.exists():
+            os.replace(best, old)
+        os.replace(tmp, best)
+        shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+
+
+def after_step(config: TrainConfig, accelerator, inputs: Inputs, run: Run, log: StepLog, pace: Pace,
+               record: dict) -> str | None:
+    """Evaluate, log, checkpoint, keep the best; the reason to stop the loop here, if any."""
+    progress, total = run.progress, inputs.total_steps
+    stop = None
+    if config.eval_every and progress.step % config.eval_every == 0 and progress.step < total:
+        metrics = evaluate(config, accelerator, run.objective, inputs.eval_set, inputs.eval_features, inputs.pad_id)
+        record.update({f"eval/{k}": v for k, v in metrics.items()})
+        accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
+        log.say(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
+        if track_best(config, accelerator, inputs, run, metrics, log.say):
+            stop = "stopped_early"
+    log.write(progress, record, pace)
+    if config.save_every and progress.step % config.save_every == 0:
+        save_checkpoint(config, accelerator, progress.step, inputs.fingerprints)
+    if config.halt_after_steps and progress.step >= config.halt_after_steps:
+        return "halted"  # as if killed: no final evaluation, no drafter folder
+    if config.max_train_minutes and time.perf_counter() - pace.t_train >= 60 * config.max_train_minutes:
+        log.say(f"[train] max_train_minutes={config.max_train_minutes} spent at step {progress.step}/{total}: "
+                "ending the run here")
+        return "out_of_time"  # ends like max_steps: final evaluation and drafter folder
+    return stop
+
+
+def train_loop(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> dict:
+    """Micro-batches in each epoch's fixed order, from where a resumed run left off, until the run's steps are
+    done or something stops it; returns the loop's part of the result."""
+    progress, total = run.progress, inputs.total_steps
+    lengths = [len(s.input_ids) for s in inputs.train_set]
+    log, pace = StepLog(config, accelerator, progress, total), Pace(progress.step)
+    stop = None
+    while progress.step < total and stop is None:
         batches = epoch_batches(lengths, config.batch_size, config.seed, progress.epoch, config.group_by_length,
                                 accelerator.process_index, accelerator.num_processes)
         usable = len(batches) - len(batches) % config.grad_accum
-        while progress.batch < usable and progress.step < total_steps:
-            indices = batches[progress.batch]
-            batch = move(collate([train_set[i] for i in indices], indices, pad_id), accelerator.device)
-            loss, logs = micro_step(config, accelerator, objective, optimizer, params, batch,
+        while progress.batch < usable and progress.step < total and stop is None:
+            batch = make_batch(config, inputs.train_set, batches[progress.batch], inputs.pad_id, accelerator.device)
+            pace.batch(batch)
+            loss, logs = micro_step(config, accelerator, run.objective, run.optimizer, run.params, batch,
                                     feature_batch(inputs.train_features, batch))
             progress.batch += 1
             progress.assistant_tokens_seen += int(batch["loss_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
-            scheduler.step()
+            run.scheduler.step()
             progress.step += 1
-            bar.update(1)
-            if progress.step == untimed:
-                t_steady = time.perf_counter()
-            record = {"step": progress.step, "loss": float(loss.detach()), "lr": scheduler.get_last_lr()[0],
-                      **{k: float(v) for k, v in logs.items()}}
-            progress.history.append(record)
-            if history_file is not None:
-                history_file.write(json.dumps(record) + "\n")
-                history_file.flush()
-            if config.log_every and progress.step % config.log_every == 0:
-                accelerator.log(record, step=progress.step)
-                if main:
-                    bar.write(f"[train] step {progress.step}/{total_steps} loss {record['loss']:.4f} "
-                              f"lr {record['lr']:.2e}")
-            if config.eval_every and progress.step % config.eval_every == 0 and progress.step < total_steps:
-                metrics = evaluate(config, accelerator, objective, inputs.eval_set, inputs.eval_features, pad_id)
-                accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
-                if main:
-                    bar.write(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
-            if config.save_every and progress.step % config.save_every == 0:
-                save_checkpoint(config, accelerator, progress.step, inputs.fingerprints)
-            if config.halt_after_steps and progress.step >= config.halt_after_steps:
-                result["halted"] = True  # as if killed: no final evaluation, no drafter folder
-                break
-            if config.max_train_minutes and time.perf_counter() - t_train >= 60 * config.max_train_minutes:
-                out_of_time = True  # ends like max_steps: final evaluation and drafter folder
-                if main:
-                    bar.write(f"[train] max_train_minutes={config.max_train_minutes} spent at step "
-                              f"{progress.step}/{total_steps}: ending the run here")
-                break
+            record = {"step": progress.step, "loss": float(loss.detach()), "lr": run.scheduler.get_last_lr()[0],
+                      **pace.stepped(progress.step), **{k: float(v) for k, v in logs.items()}}
+            stop = after_step(config, accelerator, inputs, run, log, pace, record)
         if progress.batch >= usable:
             progress.epoch, progress.batch = progress.epoch + 1, 0
-    if t_steady is not None and progress.step > untimed:
-        result["seconds_per_step"] = round((time.perf_counter() - t_steady) / (progress.step - untimed), 4)
-    bar.close()
-    if history_file is not None:
-        history_file.close()
-    result.update(step=progress.step, history=progress.history, feature_seconds=round(inputs.feature_seconds, 1),
-                  train_seconds=round(time.perf_counter() - t_train, 1),
-                  assistant_tokens_seen=progress.assistant_tokens_seen)
-    if out_of_time:
-        result["stopped_by_time_budget"] = {"max_train_minutes": config.max_train_minutes, "planned_steps": total_steps}
-    if result["halted"]:
-        accelerator.end_training()
-        return result
+    log.close()
+    result = {"halted": stop == "halted", **pace.result(progress.step)}
+    if stop == "out_of_time":
+        result["stopped_by_time_budget"] = {"max_train_minutes": config.max_train_minutes, "planned_steps": total}
+    if stop == "stopped_early":
+        result["stopped_early"] = {"early_stop_patience": config.early_stop_patience, "planned_steps": total}
+    return result
 
-    # 4. final evaluation and the drafter folder.
-    metrics = evaluate(config, accelerator, objective, inputs.eval_set, inputs.eval_features, pad_id)
-    result.update(eval=metrics, wall_seconds=round(time.perf_counter() - t_start, 1))
-    if main and metrics:
-        print(f"[eval] final step {progress.step}: {json.dumps(metrics)}\n[eval] est_accept_len* are "
-              f"{ESTIMATE_NOTE}", flush=True)
+
+def finish(config: TrainConfig, accelerator, inputs: Inputs, run: Run, result: dict) -> None:
+    """The final evaluation (which may still be the best) and the drafter folder."""
+    progress = run.progress
+    metrics = evaluate(config, accelerator, run.objective, inputs.eval_set, inputs.eval_features, inputs.pad_id)
+    result.update(eval=metrics, wall_seconds=round(time.perf_counter() - run.t_start, 1))
+    if accelerator.is_main_process and metrics:
+        print(f"[eval] final step {progress.step}: {json.dumps(metrics)}\n[eval] est_accept_len* and "
+              f"simulated_tau are {ESTIMATE_NOTE}", flush=True)
     accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
-    write_outputs(config, accelerator, objective, inputs, result)
+    if config.eval_every:  # the last weights may be the best
+        track_best(config, accelerator, inputs, run, metrics, lambda line: None)
+    if progress.best_step:
+        result["best"] = {"step": progress.best_step, "simulated_tau": progress.best_tau,
+                          "drafter_dir": str(Path(config.output_dir) / BEST) if config.keep_best else None}
+    write_outputs(config, accelerator, run.objective, inputs, result)
+
+
+def train(config: TrainConfig) -> dict:
+    """Run a training; returns {"step", "history", "eval", "drafter_dir", ...}."""
+    from accelerate.utils import set_seed
+
+    t_start = time.perf_counter()
+    validate(config)  # again: a TrainConfig built in Python has not been through load_config
+    accelerator = make_accelerator(config)
+    checkpoint = prepare_output_dir(config, accelerator)
+    set_seed(config.seed)
+    # 1. data, target, drafter and features (online, or an offline cache built once).
+    inputs = prepare_inputs(config, accelerator, checkpoint)
+    # 2. objective, optimizer, schedule; resume if asked.
+    run = setup_run(config, accelerator, inputs, checkpoint, t_start)
+    # 3. the loop.
+    result = train_loop(config, accelerator, inputs, run)
+    result.update(step=run.progress.step, history=run.progress.history,
+                  feature_seconds=round(inputs.feature_seconds, 1),
+                  assistant_tokens_seen=run.progress.assistant_tokens_seen)
+    # 4. final evaluation and the drafter folder, unless halted as a kill would.
+    if not result["halted"]:
+        finish(config, accelerator, inputs, run, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return result
