@@ -148,14 +148,17 @@ def as_engines(model, tokenizer) -> list:
 
 
 def split_reasoning(reply: str, reasoning: str) -> tuple[str, bool]:
-    """The reply as written (`keep`) or without its leading <think>...</think> block (`drop`); the flag is
-    False when `drop` found a block the token limit cut before it closed (no answer after it)."""
-    if reasoning == "keep" or not reply.lstrip().startswith(THINK_OPEN):
+    """The reply as written (`keep`), or (`drop`) what follows its reasoning: after </think>, whether the reply
+    opened the block or the template's generation prompt did (DeepSeek-R1 style). The flag is False when `drop`
+    found a block the token limit cut before it closed, leaving no answer."""
+    if reasoning == "keep":
         return reply, True
     close = reply.find(THINK_CLOSE)
-    if close < 0:
+    if close >= 0:
+        return reply[close + len(THINK_CLOSE):].strip(), True
+    if reply.lstrip().startswith(THINK_OPEN):
         return "", False
-    return reply[close + len(THINK_CLOSE):].strip(), True
+    return reply, True
 
 
 class Renderer:
