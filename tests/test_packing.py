@@ -159,3 +159,37 @@ def test_packed_training_starts_from_the_same_loss_and_logs_throughput(workspace
         assert record["tokens_per_second"] > 0 and record["tokens"] > 0
     assert [r["tokens"] for r in packed["history"]] == [r["tokens"] for r in unpacked["history"]]
     assert abs(unpacked["eval"]["eval_loss"] - packed["eval"]["eval_loss"]) < 1e-3
+
+
+def test_medusa2_lora_target_runs_packed_rows_through_the_block_diagonal_mask():
+    """Medusa-2 trains LoRA on the target inside its objective: the adapted target reads packed rows with the
+    same 4D mask and positions, so loss and gradients (the adapters' too) equal one sample per row."""
+    from train.train_heads import add_lora
+
+    config = load_config(None, {"target": "unused", "data": "unused", "drafter": "medusa", "lora_r": 4,
+                                "loss": "both"})
+    target = add_lora(config, tiny_model("llama"))
+    torch.manual_seed(0)
+    drafter = heads.build("medusa", target.get_base_model(), num_heads=2)
+    objective = build_objective(drafter, config, target).train()
+    samples = mixed()
+    indices = list(range(len(samples)))
+    results = []
+    for batch in (collate(samples, indices, 0), pack_collate(samples, indices, 0, 64)):
+        objective.zero_grad()
+        loss, _ = objective(batch, {})
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in objective.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_p, grads_p) = results
+    assert abs(float(loss - loss_p)) < TOL and any("lora" in n for n in grads)
+    for name, g in grads.items():
+        assert (g - grads_p[name]).abs().max() < TOL * max(1.0, float(g.abs().max())), name
+
+
+def test_packing_a_target_with_narrower_sliding_windows_is_refused(tmp_path):
+    target = save_tiny_target(tmp_path / "gemma2", "gemma2")  # sliding_window 16
+    data = write_messages(tmp_path / "data.jsonl", conversations(12))
+    config = load_config(None, {"target": target, "data": data, "drafter": "medusa", "pack": True, "max_length": 64,
+                                "output_dir": str(tmp_path / "out"), "max_steps": 1, "progress_bar": False})
+    with pytest.raises(ValueError, match="sliding-window layers see only 16 tokens .* set max_length <= 16, or pack: false"):
+        train(config)
