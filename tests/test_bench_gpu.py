@@ -62,8 +62,9 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
                        "--prompt-tokens", "16", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
-    assert list(rows) == ["hf_eager", "hf_static", "none", "none_static", "oracle:0.9", "oracle_tree:0.9",
-                          "oracle:0.9+static", "eagle3_tree60"]
+    assert list(rows) == ["hf_eager", "hf_static", "none", "none_static", "none_captured", "oracle:0.9",
+                          "oracle_tree:0.9", "oracle:0.9+static", "oracle:0.9+captured", "eagle3_tree60",
+                          "eagle3_tree60+captured"]
     for name, r in rows.items():
         assert "error" not in r and "skipped" not in r, (name, r)
         assert r["new_tokens"] == 200 and r["tokens_per_s"] > 0 and r["ms_per_step"] > 0, name
@@ -72,7 +73,7 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
     assert rows["hf_eager"]["tau"] == 1.0 and rows["none"]["tau"] == 1.0
     # the oracle's acceptance is alpha's: 0.9 in chains of 8 gives 6.13 tokens a step on average
     assert rows["oracle:0.9"]["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 8))
-    for name in ("oracle:0.9", "oracle:0.9+static"):
+    for name in ("oracle:0.9", "oracle:0.9+static", "oracle:0.9+captured"):
         assert rows[name]["accepted_per_step"] == pytest.approx(rows[name]["expected_tau"], abs=1.2), name
         assert rows[name]["followed"] == 0 and rows[name]["fraction_of_ideal"] > 0
     tree = rows["oracle_tree:0.9"]

@@ -13,11 +13,12 @@ round, so a slow phase of the machine hits all of them alike):
                        or with --no-compile)
     none               SelfSpecModel(target, "none"): the engine's own plain step
     none_static        the same on its static cache, its verify forward compiled (not with --no-compile)
+    none_captured      the same with the captured step (`captured_step=True`: CUDA graphs per node bucket)
     oracle:<a>         OracleDrafter(a, depth 8): drafting free, acceptance set by a, chains
     oracle_tree:<a>    the oracle in a tree of EAGLE-2's size (depth 6, top-8, 60 nodes)
-    oracle:<a>+static  the middle alpha's chain on the static, compiled path
+    oracle:<a>+static  the middle alpha's chain on the static, compiled path; +captured on the captured step
     eagle3_tree60      a random EAGLE-3 drafter's whole step, tree of 60 nodes (its acceptance is nil: the row
-                       gives a trained drafter's cost per step, not its speed)
+                       gives a trained drafter's cost per step, not its speed); +captured on the captured step
     verify_by_width    the verify forward alone on 1, 8, 32, 64 and 128 nodes (infer.tuning.timing.block_costs)
 
 Each row reports tokens/s, ms per step (per target forward, the prefill included), tau (new tokens per target
@@ -48,7 +49,9 @@ ORACLE_ALPHAS = (0.6, 0.8, 0.9)
 ORACLE_DEPTH = 8
 EAGLE2_TREE = {"depth": 6, "top_k": 8, "total_tokens": 60}  # EAGLE-2's default size
 VERIFY_WIDTHS = (1, 8, 32, 64, 128)
-SETTLE_RUNS = 3  # untimed oracle runs that move its answer to what the target emits with it
+SETTLE_RUNS = 3
+STATIC_PATHS = {"+static": "static cache, compiled verify (uncompiled with --no-compile)",
+                "+captured": "static cache, captured step (CUDA graphs on a GPU; uncaptured on a CPU)"}  # untimed oracle runs that move its answer to what the target emits with it
 
 
 @dataclass
@@ -149,7 +152,9 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
             engine_row(target, ids, "none", "SelfSpecModel(target, 'none')", settings, lambda: "none", answers),
             engine_row(target, ids, "none_static", "SelfSpecModel(target, 'none'), static cache"
                        + (", compiled verify" if settings.compile else ""), settings, lambda: "none", answers,
-                       static_cache=True, compile=settings.compile)]
+                       static_cache=True, compile=settings.compile),
+            engine_row(target, ids, "none_captured", f"SelfSpecModel(target, 'none'), {STATIC_PATHS['+captured']}",
+                       settings, lambda: "none", answers, static_cache=True, captured_step=True)]
     for alpha in settings.alphas:
         rows.append(engine_row(target, ids, f"oracle:{alpha:g}", f"OracleDrafter({alpha:g}), chain of "
                                f"{settings.depth}", settings,
@@ -164,14 +169,17 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
         rows[-1].extra["expected_tau"] = expected_tokens_per_step(alpha, tree["depth"], tree["top_k"],
                                                                   tree["total_tokens"])
     middle = settings.alphas[len(settings.alphas) // 2]
-    rows.append(engine_row(target, ids, f"oracle:{middle:g}+static", f"OracleDrafter({middle:g}), chain of "
-                           f"{settings.depth}, static cache" + (", compiled verify" if settings.compile else ""),
-                           settings, lambda: OracleDrafter(middle, settings.depth, follow=True), answers,
-                           static_cache=True, compile=settings.compile))
-    rows[-1].extra["expected_tau"] = expected_tokens_per_step(middle, settings.depth)
-    rows.append(engine_row(target, ids, "eagle3_tree60", f"a random EAGLE-3 drafter, tree {tree}", settings,
-                           lambda: heads.build("eagle3", target).to(device=target.device, dtype=target.dtype),
-                           answers, tree=dict(tree)))
+    for suffix, options in (("+static", {"compile": settings.compile}), ("+captured", {"captured_step": True})):
+        rows.append(engine_row(target, ids, f"oracle:{middle:g}{suffix}", f"OracleDrafter({middle:g}), chain of "
+                               f"{settings.depth}, {STATIC_PATHS[suffix]}", settings,
+                               lambda: OracleDrafter(middle, settings.depth, follow=True), answers,
+                               static_cache=True, **options))
+        rows[-1].extra["expected_tau"] = expected_tokens_per_step(middle, settings.depth)
+    for suffix, options in (("", {}), ("+captured", {"static_cache": True, "captured_step": True})):
+        rows.append(engine_row(target, ids, f"eagle3_tree60{suffix}", f"a random EAGLE-3 drafter, tree {tree}"
+                               + (f", {STATIC_PATHS[suffix]}" if suffix else ""), settings,
+                               lambda: heads.build("eagle3", target).to(device=target.device, dtype=target.dtype),
+                               answers, tree=dict(tree), **options))
     return rows
 
 
