@@ -9,6 +9,8 @@ only call `main`. One module per job:
     report    per-category aggregates, markdown, plots, the machine's description
     cli       `python scripts/bench.py`'s parser and main (its docstring is the command's manual)
     batches   batched generation at several batch sizes (scripts/bench_batches.py)
+    gpu       the engine on a random-weight target of a real model's shape (`scripts/bench.py --random-target`)
+    forward_cost  one forward's cost over n new tokens (scripts/forward_cost.py)
 """
 
 from train.bench.cli import at_least, build_parser, device, main, number_in
