@@ -254,6 +254,27 @@ def test_target_named_in_the_checkpoint(tmp_path):
         SelfSpecModel.from_pretrained(str(tmp_path / "eagle"))
 
 
+@pytest.mark.parametrize("fmt", ["medusa_fd", "speculators"])
+def test_from_pretrained_loads_the_target_the_checkpoint_names(fmt, tmp_path):
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    t = target()
+    t.save_pretrained(tmp_path / "target")
+    vocab = {f"t{i}": i for i in range(t.config.vocab_size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(
+        tmp_path / "target")
+    name = str(tmp_path / "target")
+    if fmt == "medusa_fd":
+        write_medusa_fd(tmp_path / "drafter", t, base_model=name)
+    else:
+        write_speculators(tmp_path / "drafter", t, verifier=name)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path / "drafter"))
+    expected = t.generate(PROMPT, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=16, eos_token_id=[]), expected)
+    assert spec.target is not t  # loaded from the name in the checkpoint
+
+
 def test_speculators_checkpoint_without_target_loads_from_its_config(tmp_path):
     """What the target would add (its layer count, model type) is checked later, at attach."""
     write_speculators(tmp_path, target())

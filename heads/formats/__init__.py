@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from . import dflash_zlab, eagle_authors, medusa_fd, specforge, speculators
-from .common import CANDIDATE_FILES, files_of, read_config
+from .common import CANDIDATE_FILES, files_of
 
 
 @dataclass(frozen=True)
@@ -51,4 +51,4 @@ def known() -> str:
     return "\n".join(f"  - {fmt.name}: {fmt.description}" for fmt in FORMATS.values())
 
 
-__all__ = ["FORMATS", "Format", "register", "detect", "known", "files_of", "read_config", "CANDIDATE_FILES"]
+__all__ = ["FORMATS", "Format", "register", "detect", "known", "files_of", "CANDIDATE_FILES"]

@@ -3,7 +3,6 @@ target, and loading the mapped weights strictly."""
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
@@ -32,14 +31,6 @@ def resolve_file(path_or_id, name: str, **hub_kwargs) -> str | None:
 def files_of(path_or_id, **hub_kwargs) -> frozenset[str]:
     """Which of `CANDIDATE_FILES` the checkpoint holds."""
     return frozenset(n for n in CANDIDATE_FILES if resolve_file(path_or_id, n, **hub_kwargs) is not None)
-
-
-def read_config(path_or_id, **hub_kwargs) -> dict:
-    path = resolve_file(path_or_id, "config.json", **hub_kwargs)
-    if path is None:
-        raise FileNotFoundError(f"no config.json in {path_or_id}")
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
 
 
 def read_tensors(path_or_id, name: str, **hub_kwargs) -> dict[str, torch.Tensor]:
