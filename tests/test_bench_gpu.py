@@ -96,3 +96,26 @@ def test_rows_past_the_budget_are_skipped_and_said_so(tmp_path):
     assert result["bandwidth_gb_s"] == 4800 and result["bandwidth_source"] == "--bandwidth-gbs"
     # the floor is the weights' bytes at that bandwidth
     assert result["memory_floor_ms"] == pytest.approx(1000 * result["weight_gb"] / 4800)
+
+
+def test_an_oracle_row_settles_on_what_the_target_emits_with_it():
+    """Where the answer it was given is not what the target emits (bf16 near-ties on a GPU), the row's untimed
+    runs move its answer to the target's, so its timed runs draft the right tokens and follow nothing; each row
+    keeps its own answer."""
+    from infer.drafters.oracle import OracleDrafter
+
+    target = build_random_target("tiny")
+    ids = torch.randint(5, 500, (1, 12), generator=torch.Generator().manual_seed(3))
+    settings = gpu.Settings(new_tokens=48, repeats=1)
+    truth = target.generate(ids, max_new_tokens=48, do_sample=False)[0, 12:].tolist()
+    answers = {"none": truth[:10] + [(truth[10] + 1) % 512] + truth[11:]}
+    rows = [gpu.engine_row(target, ids, f"oracle{i}", "", settings, lambda: OracleDrafter(0.9, 8, follow=True),
+                           answers) for i in range(2)]
+    runs = [row.setup()[0] for row in rows]
+    for key in answers:  # whatever the shared answers hold later reaches no row set up before
+        answers[key] = [0] * 48
+    for run in runs:
+        new, stats = run()
+        assert new == truth and stats["followed"] == 0
+    with pytest.raises(RuntimeError, match="neither row ran"):
+        gpu.engine_row(target, ids, "oracle", "", settings, lambda: OracleDrafter(0.9, 8), {}).setup()

@@ -118,23 +118,24 @@ def engine_row(target, ids, name: str, what: str, settings: Settings, drafter, a
         own = drafter()
         model = SelfSpecModel(target, own, **options)
         oracle = isinstance(own, OracleDrafter)
+        answer = answers.get("none") or answers.get("hf_eager")  # this row's own, once settled
+        if oracle and answer is None:
+            raise RuntimeError("the oracle drafts the none or hf_eager row's output, and neither row ran")
 
         def run():
             if oracle:
-                own.expect([answers["oracle"]], seed=settings.seed)
+                own.expect([answer], seed=settings.seed)
             out = model.generate(ids, max_new_tokens=settings.new_tokens, eos_token_id=[])
             stats = dict(model.last_stats)
             if oracle:
                 stats["followed"] = own.followed
             return out[0, ids.shape[1]:].tolist(), stats
 
-        if oracle:
-            answers["oracle"] = answers.get("none") or answers["hf_eager"]
-            for _ in range(SETTLE_RUNS):
-                new, stats = run()
-                answers["oracle"] = new
-                if stats["followed"] == 0:
-                    break
+        for _ in range(SETTLE_RUNS if oracle else 0):
+            new, stats = run()
+            if stats["followed"] == 0:
+                break
+            answer = new  # what the target emitted with this oracle's trees: the next run drafts it
         return run, run()[0]  # the warm-up: allocations, kernel selection, compilation
     return Row(name, what, setup)
 
