@@ -13,8 +13,8 @@
                   every drafter's speed also given against `none`, and a drafter that does not pay (or a
                   trained one whose held-out accuracy says it learned too little) named in a closing verdict
 
-scripts/demo.py only calls `main` here; the steps, the prompt split and the verdicts are this module's (on
-train/bench/ and training: the top library layer).
+The steps, the prompt split and the verdicts live here, in the top library layer (the demo trains with train/
+and benchmarks with train/bench/); scripts/demo.py only calls `main`.
 
 Everything stays on this machine: no network, nothing read from ../shared. Outputs go to `--out`
 (runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
