@@ -115,10 +115,11 @@ def throughput(drafter_kind: str = "eagle3", batch_size: int = 16, max_length: i
     samples = mixed_samples(batch_size * batches, 32, max_length, target_config.vocab_size, seed)
     groups = [list(range(k, k + batch_size)) for k in range(0, len(samples), batch_size)]
     layouts = {"unpacked": lambda s, i: collate(s, i, 0), "packed": lambda s, i: pack_collate(s, i, 0, max_length)}
-    out = {}
-    for name, make in layouts.items():
-        tokens, seconds, cells = 0, 0.0, 0
-        for k, group in enumerate([groups[0], *groups]):  # the first batch again, untimed: allocator warm-up
+    totals = {name: [0, 0.0, 0] for name in layouts}  # tokens, seconds, cells
+    # The layouts take turns batch by batch, so a change in the machine's load weighs on both alike; the
+    # first batch runs once more first, untimed (allocator warm-up).
+    for k, group in enumerate([groups[0], *groups]):
+        for name, make in layouts.items():
             batch = make([samples[i] for i in group], group)
             tic = time.perf_counter()
             loss, _ = objective(batch, {i: x.float() for i, x in features.batch(batch).items()})
@@ -126,10 +127,12 @@ def throughput(drafter_kind: str = "eagle3", batch_size: int = 16, max_length: i
             optimizer.step()
             optimizer.zero_grad()
             if k:
-                seconds += time.perf_counter() - tic
-                tokens += int(batch["attention_mask"].sum())
-                cells += batch["input_ids"].numel()
-        out[name] = {"tokens_per_second": round(tokens / seconds, 1), "padding": round(1 - tokens / cells, 3)}
+                acc = totals[name]
+                acc[0] += int(batch["attention_mask"].sum())
+                acc[1] += time.perf_counter() - tic
+                acc[2] += batch["input_ids"].numel()
+    out = {name: {"tokens_per_second": round(t / s, 1), "padding": round(1 - t / c, 3)}
+           for name, (t, s, c) in totals.items()}
     out["ratio"] = round(out["packed"]["tokens_per_second"] / out["unpacked"]["tokens_per_second"], 2)
     return out
 
@@ -142,7 +145,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--hidden_size", type=int, default=256)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     print(json.dumps(throughput(args.drafter, args.batch_size, args.max_length, args.batches, args.hidden_size,
                                 args.layers), indent=1))
 
