@@ -200,6 +200,21 @@ def test_eagle3_first_proposals_match_the_reference(fmt, tmp_path):
     torch.testing.assert_close(logits[0, -1], expected_logits, atol=2e-4, rtol=2e-4)
 
 
+def test_specforge_config_with_pickled_weights_is_specforge(tmp_path):
+    """Its capture layers are SpecForge's own key: with pytorch_model.bin it is still read as SpecForge's."""
+    from safetensors.torch import load_file
+
+    t = target()
+    ckpt = write_specforge(tmp_path, t)
+    torch.save(load_file(tmp_path / "model.safetensors"), tmp_path / "pytorch_model.bin")
+    (tmp_path / "model.safetensors").unlink()
+    assert heads.imported_format(tmp_path).name == "specforge"
+    expected_ids, _ = eagle3_reference(t, PROMPT, ckpt, k=4)
+    model = heads.load(tmp_path, target=t)
+    assert children_of_root(first_tree(model, t, PROMPT, top_k=4, depth=1, total_tokens=4)[1]) == \
+        sorted(expected_ids.tolist())
+
+
 def test_eagle_authors_full_draft_vocabulary_ignores_the_map(tmp_path):
     """Their code drafts target ids directly when the draft vocabulary is the whole vocabulary, whatever d2t holds."""
     t = target()

@@ -42,9 +42,15 @@ def is_llama_eagle3(config: dict) -> bool:
             and "speculators_model_type" not in config)
 
 
+# Config keys only SpecForge writes (its capture layers and options): their code would ignore them, so a checkpoint
+# that has them is SpecForge's, whichever weight file it holds.
+SPECFORGE_KEYS = ("eagle_config", "fc_norm", "norm_output")
+
+
 def detect(config: dict, files: frozenset[str]) -> bool:
     # their loader reads pytorch_model.bin (what their training saves); SpecForge writes model.safetensors
-    return is_llama_eagle3(config) and "pytorch_model.bin" in files and "model.safetensors" not in files
+    return (is_llama_eagle3(config) and "pytorch_model.bin" in files and "model.safetensors" not in files
+            and not any(k in config for k in SPECFORGE_KEYS))
 
 
 def target_name(config: dict) -> str | None:

@@ -4,7 +4,8 @@
 The checkpoint is `config.json`, a Llama config with `architectures: ["LlamaForCausalLMEagle3"]`,
 `draft_vocab_size`, optionally `head_dim`, `target_hidden_size`, `eagle_config.eagle_aux_hidden_state_layer_ids`,
 `fc_norm` and `norm_output`, and `model.safetensors` with the same weights as EAGLE's authors' (`fc`, `midlayer.*`,
-`norm`, `lm_head`, `d2t`, `t2d`; an `embed_tokens.weight` copy of the target's when exported with it).
+`norm`, `lm_head`, `d2t`, `t2d`; an `embed_tokens.weight` copy of the target's when exported with it). A
+`pytorch_model.bin` beside a config with SpecForge's own keys (`eagle_config`, `fc_norm`, `norm_output`) is read too.
 
 The math is the EAGLE authors' (see eagle_authors.py) with SpecForge's choices:
   - the captured layers are `eagle_aux_hidden_state_layer_ids`, default [1, L//2 - 1, L - 4], counted as SGLang
@@ -19,15 +20,16 @@ from __future__ import annotations
 
 from ..base import text_config
 from ..eagle3 import Eagle3Model
-from .common import read_tensors
-from .eagle_authors import is_llama_eagle3, llama_eagle3
+from .common import read_tensors, resolve_file
+from .eagle_authors import SPECFORGE_KEYS, is_llama_eagle3, llama_eagle3
 
 NAME = "specforge"
 DESCRIPTION = "EAGLE-3, SpecForge's format (LlamaForCausalLMEagle3 config, model.safetensors; SGLang serves it)"
 
 
 def detect(config: dict, files: frozenset[str]) -> bool:
-    return is_llama_eagle3(config) and "model.safetensors" in files
+    return is_llama_eagle3(config) and ("model.safetensors" in files or (
+        "pytorch_model.bin" in files and any(k in config for k in SPECFORGE_KEYS)))
 
 
 def target_name(config: dict) -> str | None:
@@ -52,7 +54,8 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
         ids = [1, n // 2 - 1, n - 4]
     if len(ids) != 3 or any(not isinstance(i, int) or i < 0 for i in ids):
         raise ValueError(f"{what}: eagle_aux_hidden_state_layer_ids must be three layer indices >= 0, got {ids}")
-    tensors = read_tensors(path_or_id, "model.safetensors", **hub_kwargs)
+    name = "model.safetensors" if resolve_file(path_or_id, "model.safetensors", **hub_kwargs) else "pytorch_model.bin"
+    tensors = read_tensors(path_or_id, name, **hub_kwargs)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     return llama_eagle3(config, tensors, what=what, target=target, feature_layers=[i + 1 for i in ids],
                         head_dim=head_dim)
