@@ -107,3 +107,18 @@ def test_step_stats_report_simulated_tau_for_the_drafters_tree():
     assert out["simulated_tau"] == out["est_accept_len"] == pytest.approx(1 + 0.75 + 0.75 * 0.5)
     assert StepStats.from_tensor(stats.tensor()).summary("step", {"top_k": 3})["simulated_tau"] == \
         pytest.approx(1 + 1.0 + 1.0 * 0.75)
+
+
+def test_a_resumed_run_keeps_its_best_and_its_patience(workspace):
+    """The best value and the evaluations since it are saved in checkpoints: killed after its best and resumed,
+    a run stops where the uninterrupted one does, its best/ still the same step's."""
+    common = dict(early_stop_patience=2, save_every=4)
+    straight = run(workspace, "straight_patience", **common)
+    halted = run(workspace, "resumed_patience", halt_after_steps=straight["best"]["step"] + 4, **common)
+    assert halted["halted"]
+    resumed = run(workspace, "resumed_patience", resume=True, **common)
+    assert resumed["step"] == straight["step"] and resumed["best"] == {
+        **straight["best"], "drafter_dir": str(workspace["root"] / "resumed_patience" / "best")}
+    saved = [load_file(workspace["root"] / out / "best" / "model.safetensors")
+             for out in ("straight_patience", "resumed_patience")]
+    assert all(torch.equal(saved[0][k], saved[1][k]) for k in saved[0])
