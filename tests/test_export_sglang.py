@@ -10,7 +10,7 @@ model_runner.py / llama.py / qwen3.py, `set_eagle3_layers_to_capture`):
   parameter of the right shape, and every parameter but the shared embedding is loaded;
 - SGLang's forward, written here from that file in plain torch (`sglang_forward`), run on the loaded weights:
   its hidden states, logits and a 3-token greedy draft chain equal our drafter's on fixed inputs;
-- re-reading the export gives back identical weights.
+- re-reading the export (heads.load, through heads.formats' SpecForge reader) gives back identical weights.
 
 Not checked: SGLang's kernels, CUDA graphs, tree drafting and the target side (which layers a given target
 class captures beyond the shared `layers_to_capture` convention).
@@ -152,35 +152,6 @@ def sglang_forward(w: dict, config: dict, embed_weight, ids, h):
     return aux, rms(aux, w["model.norm.weight"], eps) @ w["lm_head.weight"].T
 
 
-def reread(folder: Path):
-    """A minimal reader of the export (no heads.formats SpecForge reader was committed when this was written):
-    our feature-layer order from the `selfspec` block, fc's column blocks put back in it."""
-    config = json.loads((folder / "config.json").read_text())
-    tensors = load_file(folder / "model.safetensors")
-    block = dict(config["selfspec"])
-    layers = block.pop("feature_layers")
-    ascending = sorted(layers)
-    assert [i + 1 for i in config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]] == ascending
-    block.pop("attn_implementation")
-    layer_config = {k: config[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads",
-                                           "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
-                                           "max_position_embeddings", "vocab_size")}
-    layer_config.update(model_type="llama", num_hidden_layers=1,
-                        rope_parameters={"rope_type": "default", "rope_theta": config["rope_theta"]})
-    model = heads.Eagle3Model(heads.Eagle3Config(
-        layer_style="llama", layer_config=layer_config, attn_implementation="sdpa", input_mode="widen",
-        feature_layers=layers, draft_vocab_size=config["draft_vocab_size"], fc_bias=config["bias"],
-        norm_before_residual=False, num_layers=1, **block))
-    d = config["target_hidden_size"]
-    blocks = dict(zip(ascending, tensors["fc.weight"].split(d, dim=1), strict=True))
-    state = {k.replace("midlayer.", "layers.0.", 1): v for k, v in tensors.items() if k.startswith("midlayer.")}
-    state["hidden_norm.weight"] = state.pop("layers.0.hidden_norm.weight")
-    state.update({k: tensors[k] for k in ("norm.weight", "lm_head.weight", "d2t", "t2d")})
-    state["fc.weight"] = torch.cat([blocks[i] for i in layers], dim=1)
-    model.load_state_dict(state, strict=True)
-    return model
-
-
 ARCHS = ["llama", "qwen3", "gemma3_text", "phi3", "gpt2"]
 
 
@@ -239,14 +210,37 @@ def test_sglang_loads_every_tensor_and_computes_our_drafts(arch, tmp_path):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3_text"])
 def test_reimport_gives_identical_weights(arch, tmp_path):
+    """Read back by heads.load, through heads.formats' SpecForge reader (the import side of issue #51)."""
     target = target_for(arch)
-    drafter = trained_looking(heads.build("eagle3", target, feature_layers=FEATURES))
+    drafter = trained_looking(heads.build("eagle3", target, feature_layers=[1, 2, 3]))
     export(drafter, tmp_path, format="sglang")
-    again = reread(tmp_path)
+    assert heads.imported_format(tmp_path).name == "specforge"
+    again = heads.load(tmp_path, target=target)
     ours, theirs = drafter.state_dict(), again.state_dict()
     assert sorted(ours) == sorted(theirs)
-    assert all(torch.equal(ours[k], theirs[k]) for k in ours)
-    assert again.config.feature_layers == FEATURES and again.config.target_model_type == arch
+    assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
+    assert list(again.config.feature_layers) == [1, 2, 3]
+
+
+def test_reimport_of_layers_given_out_of_order_drafts_the_same(tmp_path):
+    """SGLang concatenates captured layers in ascending order, so the export reorders fc's column blocks; the
+    re-import reads the layers ascending with the blocks as written: the same weights, permuted, and the same
+    drafts."""
+    target = target_for("qwen3")
+    drafter = trained_looking(heads.build("eagle3", target, feature_layers=FEATURES))
+    export(drafter, tmp_path, format="sglang")
+    again = heads.load(tmp_path, target=target).attach(target)
+    assert list(again.config.feature_layers) == [1, 2, 3]
+    d = 32
+    blocks = dict(zip(FEATURES, drafter.fc.weight.split(d, dim=1), strict=True))
+    assert torch.equal(again.fc.weight, torch.cat([blocks[i] for i in (1, 2, 3)], dim=1))
+    ids = torch.randint(3, 96, (2, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states
+        ours = drafter.attach(target)(ids, drafter.fuse_features(tuple(hidden[i] for i in drafter.feature_layers)))
+        theirs = again(ids, again.fuse_features(tuple(hidden[i] for i in again.feature_layers)))
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # the same sums in another order
 
 
 @pytest.mark.parametrize(("arch", "options", "message"), [
