@@ -17,6 +17,9 @@ bf16. The decoder stack itself (`target.base_model`) is not wrapped as a root: t
 `output_hidden_states` with hooks on its layers, and a wrapped root returned none; each layer is its own
 FSDP2 unit, resharded after its forward.
 
+Any number of processes works: FSDP2 splits each weight along its first dimension and pads the last shard
+where the rows do not divide evenly.
+
 Every process must run the target's forward the same number of times (each forward's all-gathers are
 collective): training batches are equal per process (train.data.epoch_batches), evaluation batches are not,
 so under sharding the held-out split's features come from the offline cache, and an offline cache is built by
