@@ -258,6 +258,27 @@ def test_dflash_first_proposals_match_the_reference(layer_ids, tmp_path):
     assert tree.tokens[0, 1:].tolist() == expected.tolist()
 
 
+def test_our_sglang_export_reads_back_as_specforge(tmp_path):
+    """heads.export.export_sglang writes SpecForge's layout; reading it back gives the drafter's own outputs."""
+    from heads.export import export_sglang
+
+    t = target()
+    drafter = heads.build("eagle3", t, layer_style="llama", draft_vocab_size=48, tree={"top_k": 3})
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.1)
+    export_sglang(drafter, tmp_path)
+    assert heads.imported_format(tmp_path).name == "specforge"
+    back = heads.load(tmp_path, target=t).attach(t)
+    assert back.config.tree["top_k"] == 3  # carried by the export's selfspec block
+    out, root = target_pass(t, PROMPT)
+    ids = torch.cat([PROMPT[:, 1:], root.view(1, 1)], dim=1)
+    with torch.no_grad():
+        ours = drafter(ids, drafter.fuse_features(tuple(out.hidden_states[i] for i in drafter.feature_layers)))[1]
+        theirs = back(ids, back.fuse_features(tuple(out.hidden_states[i] for i in back.feature_layers)))[1]
+    torch.testing.assert_close(theirs, ours)
+
+
 def test_target_named_in_the_checkpoint(tmp_path):
     write_medusa_fd(tmp_path / "medusa", target(), base_model="org/base-model")
     write_speculators(tmp_path / "spec", target(), verifier="org/verifier")

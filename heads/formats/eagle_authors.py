@@ -67,6 +67,9 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
         raise ValueError(f"{what}: its fc reads three target layers (2, L//2, L-3), which a target of "
                          f"{text_config(target).num_hidden_layers} layers does not have distinct ({layers})")
     tensors = read_tensors(path_or_id, "pytorch_model.bin", **hub_kwargs)
+    if "fc.bias" in tensors:  # their fc has none, and their loader would drop it without a word
+        raise ValueError(f"{what} holds an fc.bias, which the EAGLE authors' fc does not have; it was not written by "
+                         "their code")
     model = llama_eagle3(config, tensors, what=what, target=target, feature_layers=layers,
                          head_dim=config["hidden_size"] // config["num_attention_heads"])
     return model
@@ -87,9 +90,10 @@ def llama_rope(config: dict, what: str) -> dict:
 
 
 def llama_eagle3(config: dict, tensors: dict[str, torch.Tensor], *, what: str, target, feature_layers: list[int],
-                 head_dim: int) -> Eagle3Model:
+                 head_dim: int, fields: dict | None = None) -> Eagle3Model:
     """Our EAGLE-3 drafter computing what a LlamaForCausalLMEagle3 checkpoint (EAGLE authors', SpecForge's)
-    computes, with its weights: `midlayer.*` becomes our first layer, `midlayer.hidden_norm` our hidden_norm."""
+    computes, with its weights: `midlayer.*` becomes our first layer, `midlayer.hidden_norm` our hidden_norm, and an
+    `fc.bias` (SGLang's `bias: true`) our fc's bias. `fields` are further config fields (tree, provenance)."""
     d, vocab, draft_vocab = config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]
     if config.get("target_hidden_size", d) != d:
         raise ValueError(f"{what}: its layer is {d} wide over a {config['target_hidden_size']}-wide target "
@@ -131,8 +135,9 @@ def llama_eagle3(config: dict, tensors: dict[str, torch.Tensor], *, what: str, t
                 "tie_word_embeddings"):
         layer.pop(key, None)
     layer["model_type"] = "llama"
-    fields = {"target_hidden_size": d, "target_vocab_size": vocab, **target_fields(target)}
+    fields = {**(fields or {}), "target_hidden_size": d, "target_vocab_size": vocab}
+    fields.update({k: v for k, v in target_fields(target).items() if v is not None})
     eagle3 = Eagle3Config(layer_style="llama", layer_config=layer, attn_implementation="sdpa", input_mode="widen",
                           feature_layers=feature_layers, draft_vocab_size=draft_vocab, norm_before_residual=False,
-                          fc_bias=False, num_layers=1, **fields)
+                          fc_bias="fc.bias" in state, num_layers=1, **fields)
     return finish(load_strict(Eagle3Model(eagle3), state, what), target)

@@ -32,8 +32,14 @@ def detect(config: dict, files: frozenset[str]) -> bool:
         "pytorch_model.bin" in files and any(k in config for k in SPECFORGE_KEYS)))
 
 
+# What our SGLang export (heads.export.export_sglang) adds in its `selfspec` block and carries back here; the layout
+# itself (feature layers, fc) is read from SpecForge's own keys.
+SELFSPEC_FIELDS = ("base_model_name_or_path", "target_model_type", "target_num_layers", "tokenizer_fingerprint", "tree",
+                   "training", "metrics", "calibration", "lookup_first")
+
+
 def target_name(config: dict) -> str | None:
-    return None
+    return (config.get("selfspec") or {}).get("base_model_name_or_path")
 
 
 def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
@@ -57,5 +63,6 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     name = "model.safetensors" if resolve_file(path_or_id, "model.safetensors", **hub_kwargs) else "pytorch_model.bin"
     tensors = read_tensors(path_or_id, name, **hub_kwargs)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    selfspec = config.get("selfspec") or {}
     return llama_eagle3(config, tensors, what=what, target=target, feature_layers=[i + 1 for i in ids],
-                        head_dim=head_dim)
+                        head_dim=head_dim, fields={k: selfspec[k] for k in SELFSPEC_FIELDS if k in selfspec})
