@@ -38,10 +38,10 @@ from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
 from .kv import KVState, forward_block, prompt_tree
 from .options import Plan
-from .sampling import SamplingParams, next_token
+from .sampling import NOT_A_DISTRIBUTION, SamplingParams, logits_to_probs, next_token
 from .target import generation_mode, max_positions
 from .tree import MALFORMED, DraftTree
-from .verify import Acceptance, accept_greedy, accept_sampled, accept_typical
+from .verify import Acceptance, accept_drawn, accept_greedy, accept_sampled, accept_typical
 
 # With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
 # a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
@@ -262,14 +262,15 @@ class Engine:
         while rows.alive:
             # 2. Draft a tree below each row's root, no deeper than the row may still emit.
             tic = time.perf_counter()
-            budget = self._budget(rows, kv.length.device)
+            budget_left = self._budget(rows)
+            budget = torch.tensor(budget_left, device=kv.length.device)
             tree = self._active.propose(budget).prune_deeper_than(budget)
             stats["draft_seconds"] += time.perf_counter() - tic
             # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV: the step's one
             # read of the device (`_Read`) comes between acceptance and the commit.
             tic = time.perf_counter()
             emitted = torch.tensor([len(rows.out[r]) for r in rows.alive], device=tree.tokens.device)
-            step, acc, seen = self._verify(kv, tree, settings, generator, emitted, stats)
+            step, acc, seen = self._verify(kv, tree, settings, generator, emitted, stats, max(budget_left))
             stats["verify_seconds"] += time.perf_counter() - tic
             if self.step_observer is not None:
                 self.step_observer(tree, acc, budget)
@@ -307,9 +308,9 @@ class Engine:
                           hidden=self._features(out), prompt_cache=kv.cache)
 
     def _verify(self, kv: KVState, tree: DraftTree, settings: _Settings, generator, emitted: torch.Tensor,
-                stats: dict) -> tuple[TargetStep, Acceptance, _Read]:
-        """emitted: [B] new tokens each row has emitted so far, the root included; the target forward's time
-        goes into stats["target_seconds"]."""
+                stats: dict, deepest: int) -> tuple[TargetStep, Acceptance, _Read]:
+        """emitted: [B] new tokens each row has emitted so far, the root included; deepest: no valid node is
+        deeper (the budget); the target forward's time goes into stats["target_seconds"]."""
         depth, ancestors = tree.structure()  # a malformed tree is caught by the read below
         start = kv.size
         # Scored nodes (if any) ride after the tree nodes; the tree never attends to them.
@@ -329,11 +330,16 @@ class Engine:
         logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
+        elif settings.sampling.do_sample and self.captured_step and tree.q is None:  # the walk without reads
+            probs = logits_to_probs(logits, settings.sampling)
+            acc = accept_drawn(tree, probs, ancestors, depth, min(deepest, n - 1), generator)
         elif settings.sampling.do_sample:
             acc = accept_sampled(tree, logits, ancestors, settings.sampling, generator)
         else:
             acc = accept_greedy(tree, logits, ancestors, depth)
         seen = _read_step(tree, acc)
+        if acc.rewind is not None:
+            acc.rewind(seen.lengths)
         acc = acc.trimmed(max(seen.lengths))
         keep = acc.keep
         # scored nodes' slots lie past the path: dropped with the rejected
@@ -420,9 +426,9 @@ class Engine:
         b = attention_mask.shape[0]
         return _Rows(alive=list(range(b)), limit=limit, out=[[] for _ in range(b)])
 
-    def _budget(self, rows: _Rows, device) -> torch.Tensor:
+    def _budget(self, rows: _Rows) -> list[int]:
         """Deepest draft depth per live row: drafts plus the bonus must fit the row's remaining tokens."""
-        return torch.tensor([max(rows.limit[r] - len(rows.out[r]) - 1, 0) for r in rows.alive], device=device)
+        return [max(rows.limit[r] - len(rows.out[r]) - 1, 0) for r in rows.alive]
 
     def _emit(self, rows: _Rows, tokens: list[list[int]], settings, streamer) -> list[bool]:
         """Append each live row's new tokens; returns its finished flags."""
@@ -577,10 +583,13 @@ def _read_step(tree: DraftTree, acc: Acceptance) -> _Read:
     well-formedness, in one `tolist` of one small tensor (each separate read would drain a GPU's queue)."""
     # path: [B, P] padded past each row's length; the new tokens are the kept drafts (not the root), then the bonus
     b, p = acc.path.shape
-    packed = torch.cat([acc.length[:, None], tree.malformed()[:, None].long(), acc.bonus[:, None], acc.path,
+    flags = tree.malformed().long() + 2 * (acc.invalid.long() if acc.invalid is not None else 0)
+    packed = torch.cat([acc.length[:, None], flags[:, None], acc.bonus[:, None], acc.path,
                         tree.tokens.gather(1, acc.path)], dim=1).tolist()
-    if any(row[1] for row in packed):
+    if any(row[1] & 1 for row in packed):
         raise ValueError(MALFORMED)
+    if any(row[1] & 2 for row in packed):
+        raise ValueError(NOT_A_DISTRIBUTION)
     lengths = [row[0] for row in packed]
     paths = [row[3:3 + p] for row in packed]
     tokens = [row[3 + p + 1:3 + p + n] + [row[2]] for row, n in zip(packed, lengths, strict=True)]

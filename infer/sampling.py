@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+NOT_A_DISTRIBUTION = "sample: every row of probabilities must be finite, non-negative and not all zero"
 NUCLEUS_WIDTH = 64  # tokens a top-p nucleus is first looked for among; doubled while some row's nucleus is wider
 
 
@@ -98,7 +99,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> tor
     cdf = flat.double().cumsum(-1)  # [R, V]
     total = cdf[:, -1:]
     if not (torch.isfinite(total).all() and (total > 0).all() and (flat >= 0).all()):
-        raise ValueError("sample: every row of probabilities must be finite, non-negative and not all zero")
+        raise ValueError(NOT_A_DISTRIBUTION)
     u = torch.rand(total.shape, generator=generator, dtype=torch.float64, device=flat.device) * total
     token = torch.searchsorted(cdf, u, right=True)[:, 0]
     past = token == flat.shape[-1]  # u rounded up to the total (a draw within an ulp of 1): no token's sum exceeds it

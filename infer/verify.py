@@ -17,6 +17,7 @@ seeded sample never depends on what such a drafter proposed (suffix's earlier re
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +31,10 @@ class Acceptance:
     path: torch.Tensor  # [B, A] node indices of the kept path, root first; padded past `length`
     length: torch.Tensor  # [B] nodes kept (>= 1: the root is always kept)
     bonus: torch.Tensor  # [B] the target's next token after the path
+    # [B] bool or None: the row's probabilities were not a distribution (NaN, all zero), read with the lengths
+    invalid: torch.Tensor | None = None
+    # given the lengths once read: put back the random draws the walk did not use (None: nothing to put back)
+    rewind: Callable[[list[int]], None] | None = None
 
     @property
     def keep(self) -> torch.Tensor:  # [B, A]
@@ -38,7 +43,8 @@ class Acceptance:
 
     def trimmed(self, width: int) -> Acceptance:
         """The same acceptance with paths `width` wide (at least the longest `length`, which the caller read)."""
-        return Acceptance(path=self.path[:, :width], length=self.length, bonus=self.bonus)
+        return Acceptance(path=self.path[:, :width], length=self.length, bonus=self.bonus, invalid=self.invalid,
+                          rewind=self.rewind)
 
 
 def _path_to(nodes: torch.Tensor, ancestors: torch.Tensor) -> Acceptance:
@@ -138,6 +144,55 @@ def _walked(ends: list[int], bonus: list[torch.Tensor], ancestors: torch.Tensor)
     acc = _path_to(torch.tensor(ends, device=ancestors.device), ancestors)
     acc.bonus = torch.cat(bonus)
     return acc
+
+
+def accept_drawn(tree: DraftTree, probs: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor, deepest: int,
+                 generator: torch.Generator | None = None) -> Acceptance:
+    """`_accept_deterministic` without a host read (deterministic drafts: `tree.q` None), for a GPU's step.
+
+    The walk's draws are made before it: one uniform per depth up to `deepest` (a bound on the tree's depth), each
+    its own draw of the shape the walk's `sample` makes, and every node samples the target's token with its depth's
+    uniform, by the inverse of its cumulative distribution as `sample` does. The kept path is then the one whose
+    every node drafted the token its parent sampled, found as greedy acceptance finds its path. Once the lengths are
+    read, `rewind` puts back the draws past the path, so at batch 1 the generator ends where the walk leaves it and a
+    seeded sample is the one without drafts; at several rows each row draws its own uniforms, and the sample,
+    still the target's distribution, is another than the walk's. probs: [B, N, V]; depth: [B, N]"""
+    b, n, v = probs.shape
+    gen = generator if generator is not None else _default_generator(probs.device)
+    states, draws = [], []
+    for _ in range(b):
+        for _ in range(deepest + 1):
+            states.append(gen.get_state())  # a host copy of the generator's own state: no read of the device
+            draws.append(torch.rand((1, 1), generator=gen, dtype=torch.float64, device=probs.device))
+    states.append(gen.get_state())
+    u = torch.cat(draws).view(b, deepest + 1)  # [B, D + 1]
+    cdf = probs.double().cumsum(-1)  # [B, N, V]
+    total = cdf[..., -1:]
+    token = torch.searchsorted(cdf, u.gather(1, depth.clamp(max=deepest))[..., None] * total, right=True)[..., 0]
+    # a draw within an ulp of the total finds no token: the last of nonzero probability, as `sample` takes
+    last = v - 1 - (probs.flip(-1) > 0).int().argmax(-1)
+    token = torch.where(token == v, last, token)  # [B, N]
+    match = (tree.tokens == token.gather(1, tree.parents.clamp(min=0))) & tree.valid
+    match[:, 0] = True
+    reached = ~(ancestors & ~match[:, None, :]).any(-1)
+    end = torch.where(reached, depth, -1).argmax(1)  # siblings are distinct: one node reached per depth
+    acc = _path_to(end, ancestors)
+    acc.bonus = token.gather(1, end[:, None])[:, 0]
+    visited = ancestors[torch.arange(b, device=probs.device), end]  # [B, N]: the nodes the walk samples at
+    acc.invalid = (visited & ~(torch.isfinite(total[..., 0]) & (total[..., 0] > 0) & (probs >= 0).all(-1))).any(1)
+
+    def rewind(lengths: list[int]) -> None:
+        if b == 1:
+            gen.set_state(states[lengths[0]])
+
+    acc.rewind = rewind
+    return acc
+
+
+def _default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    return torch.default_generator
 
 
 def accept_typical(tree: DraftTree, logits: torch.Tensor, ancestors: torch.Tensor, depth: torch.Tensor,

@@ -90,6 +90,28 @@ def test_captured_step_sampling_is_lossless(sampling_target, kind, monkeypatch):
     assert p > 1e-3, f"captured-step samples differ from the target's distribution (chi-square p={p:.2e})"
 
 
+@pytest.mark.parametrize("drafter", ["none", "suffix", "eagle3"])
+def test_a_seeded_sample_is_the_one_without_drafts(drafter):
+    """Deterministic drafts are accepted on the device from draws made before the walk (`accept_drawn`), and the
+    draws past the kept path are put back: at batch 1 a seeded sample is the one the host walk draws with no drafts,
+    whatever was drafted."""
+    target = tiny_model("llama")
+    prompt = torch.tensor([[5, 9, 14, 5, 9, 20, 5, 9, 14, 5, 9, 31, 7, 5, 9, 14]])
+
+    def sampled(model, seed):
+        out = model.generate(prompt, max_new_tokens=40, do_sample=True, top_p=0.9, eos_token_id=[],
+                             generator=torch.Generator().manual_seed(seed))
+        return out[0, prompt.shape[1]:].tolist()
+
+    spec = CAPTURED_DRAFTERS[drafter](target) if drafter in CAPTURED_DRAFTERS else drafter
+    model = captured(target, spec)
+    for seed in range(3):
+        assert sampled(model, seed) == sampled(SelfSpecModel(target, "none"), seed)
+    if drafter == "suffix":  # drafts were accepted: the rewind was tested, not only the walk
+        sampled(model, 0)
+        assert model.last_stats["mean_accepted_length"] > 1.5
+
+
 def test_captured_step_options_are_checked_and_settled():
     with pytest.raises(ValueError, match="captured_step=True needs static_cache"):
         EngineOptions(captured_step=True)
