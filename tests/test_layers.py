@@ -126,3 +126,81 @@ def test_no_import_circles():
 @pytest.mark.parametrize("source", ["import infer.engine", "from infer import engine", "from .engine import X"])
 def test_the_reader_sees_each_form_of_import(source):
     assert ROOT / "infer" / "engine.py" in _imports(ROOT / "infer" / "probe.py", source)
+
+
+# ---- scripts/ on top and thin ------------------------------------------------------------------------------
+
+LOADERS = {"spec_from_file_location", "SourceFileLoader", "run_path"}  # ways to run a file as a module by its path
+SCRIPT_CODE_LINES = 40  # argument parsing and one call into a module fit in far fewer
+
+
+def _loads_scripts_by_path(source: str) -> list[str]:
+    """The calls in `source` that load a file by path, or edit sys.path, with the scripts folder in them, written
+    out or through a name assigned a path under it."""
+    tree = ast.parse(source)
+    named = {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+             and "scripts" in ast.unparse(node.value).lower() for target in node.targets if isinstance(target, ast.Name)}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            path_edit = isinstance(func, ast.Attribute) and ast.unparse(func.value) == "sys.path"
+        elif isinstance(node, ast.Assign | ast.AugAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            name, path_edit = "", any(ast.unparse(t).startswith("sys.path") for t in targets)
+        else:
+            continue
+        segment = ast.get_source_segment(source, node) or ""
+        points_at_scripts = "scripts" in segment.lower() or any(
+            isinstance(n, ast.Name) and n.id in named for n in ast.walk(node))
+        if (name in LOADERS or path_edit) and points_at_scripts:
+            found.append(segment.splitlines()[0])
+    return found
+
+
+@pytest.mark.parametrize(("source", "flagged"), [
+    ('spec = importlib.util.spec_from_file_location("x", ROOT / "scripts" / "serve.py")', True),
+    ('spec = spec_from_file_location(f"_{name}", SCRIPTS / f"{name}.py")', True),
+    ('sys.path.insert(0, str(ROOT / "scripts"))', True),
+    ('sys.path += [SCRIPTS_DIR]', True),
+    ('runpy.run_path("scripts/bench.py")', True),
+    ('SERVE = ROOT / "scripts" / "serve.py"\nspec = spec_from_file_location("serve", SERVE)', True),
+    ('from train import serve\nsubprocess.run([sys.executable, "scripts/serve.py"])', False),
+    ('spec_from_file_location("fixture", HERE / "data" / "plugin.py")', False),
+])
+def test_the_script_loader_check_sees_each_form(source, flagged):
+    assert bool(_loads_scripts_by_path(source)) is flagged
+
+
+def test_tests_never_load_scripts_by_file_path():
+    """Tests import the module a script calls (train.serve, heads.calibration, ...); running a script as the
+    command it is (subprocess) is fine."""
+    found = {p.name: hits for p in sorted((ROOT / "tests").glob("*.py"))
+             if (hits := _loads_scripts_by_path(p.read_text()))}
+    assert found == {}, found
+
+
+def _script_problems(source: str) -> list[str]:
+    """Why a script is not thin: more than SCRIPT_CODE_LINES lines of code, or a definition besides `main`."""
+    tree = ast.parse(source)
+    body = tree.body[1:] if ast.get_docstring(tree) is not None else tree.body
+    code = {line for node in body for line in range(node.lineno, node.end_lineno + 1)
+            if source.splitlines()[line - 1].strip() and not source.splitlines()[line - 1].strip().startswith("#")}
+    problems = [f"{len(code)} lines of code (at most {SCRIPT_CODE_LINES})"] if len(code) > SCRIPT_CODE_LINES else []
+    problems += [f"defines {node.name}" for node in ast.walk(tree)
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node.name != "main"]
+    return problems
+
+
+def test_the_thinness_check_sees_a_fat_script():
+    fat = '"""Doc."""\nimport sys\n\n\ndef helper():\n    return 1\n\n\n' + "x = 1\n" * 45
+    assert _script_problems(fat) == ["48 lines of code (at most 40)", "defines helper"]
+    assert _script_problems('"""Doc."""\n\nfrom train.serve import main\n\nraise SystemExit(main())\n') == []
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))
+def test_every_script_is_thin(script):
+    """A script parses its arguments, or lets its module do it, and makes one call into a library module, where
+    the work (and what tests import) lives."""
+    assert _script_problems((ROOT / "scripts" / script).read_text()) == []
