@@ -188,7 +188,7 @@ def _recognise(path_or_hub_id, **hf_kwargs) -> tuple[formats.Format | None, dict
     hint = f"\nIt is a {exports[0].description} checkpoint: use heads.export.{exports[0].load.__name__}(folder)." \
         if exports else ""
     known = sorted(kind.config_cls.model_type for kind in REGISTRY.values())
-    raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}: not a selfspec drafter ({known}), nor a "
+    raise ValueError(f"{path_or_hub_id} holds model_type {model_type!r}, not a selfspec drafter ({known}) nor a "
                      f"checkpoint in a format selfspec imports:\n{formats.known()}{hint}")
 
 

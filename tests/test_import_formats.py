@@ -366,7 +366,7 @@ BAD = [
     ("another tokenizer's embedding", _other_tokenizer, ValueError,
      r"embed_tokens.weight differs from the target's input embedding in 2 of 96 rows"),
     ("unknown format", lambda f, t: _mystery(f), ValueError,
-     r"model_type 'mystery'.*nor a checkpoint in a format selfspec imports:(.|\n)*eagle_authors(.|\n)*specforge"
+     r"model_type 'mystery', not a selfspec drafter .* nor a checkpoint in a format selfspec imports:(.|\n)*eagle_authors(.|\n)*specforge"
      r"(.|\n)*speculators(.|\n)*medusa_fd(.|\n)*dflash_zlab"),
     ("SpecForge fc_norm", lambda f, t: write_specforge(f, t, fc_norm=True), ValueError, r"fc_norm: true"),
     ("speculators norm_before_fc", lambda f, t: _with_config(write_speculators, f, t, norm_before_fc=True),
