@@ -39,7 +39,9 @@ class SelfSpecModel(Engine):
                         tokenizer=None, tree: dict | str | None = None, **kwargs) -> "SelfSpecModel":
         """Load a saved drafter and, unless given, the target recorded in its config (with its tokenizer,
         which is checked against the one the drafter was trained with; pass `tokenizer=` with your own
-        target, or it is looked for beside the target).
+        target, or it is looked for beside the target). The drafter may also be one published in another
+        project's format (EAGLE-3 from EAGLE's authors, SpecForge or speculators, FasterDecoding's Medusa, z-lab's
+        DFlash: `heads.load`), checked against the target before anything runs.
 
         A Medusa-2 drafter (trained jointly with LoRA on the target) records `target_adapter`; the
         adapter saved beside it is applied to the loaded target and merged, since the heads only predict
