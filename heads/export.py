@@ -504,12 +504,17 @@ DFLASH = ExportFormat("dflash", "DFlash (vLLM DFlashDraftModel)", export_dflash,
                       vllm_method="dflash")
 
 
-def _no_sglang_import(path_or_id, target=None, **hub_kwargs):
-    raise ValueError(f"{path_or_id} is an SGLang (SpecForge) EAGLE-3 checkpoint; heads.export reads the formats it "
-                     "writes for vLLM only: read this one with heads.formats' SpecForge reader")
+def import_sglang(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
+    """Read an SGLang EAGLE-3 checkpoint (SpecForge's layout; `export_sglang`'s included) with heads.formats'
+    SpecForge reader. Its feature layers come back in ascending order, as SGLang concatenates them."""
+    from .formats import specforge
+
+    with open(cached_file(path_or_id, "config.json", **hub_kwargs), encoding="utf-8") as f:
+        config = json.load(f)
+    return specforge.load(path_or_id, config, target=target, **hub_kwargs)
 
 
-SGLANG = ExportFormat("sglang", "SGLang EAGLE-3 (SpecForge)", export_sglang, _no_sglang_import,
+SGLANG = ExportFormat("sglang", "SGLang EAGLE-3 (SpecForge)", export_sglang, import_sglang,
                       recognizes=lambda config: SGLANG_ARCHITECTURE in (config.get("architectures") or []))
 # format name -> format, for `export(model, out_dir, format=...)` and scripts/export.py
 FORMATS = {f.name: f for f in (SPECULATORS, VLLM_MEDUSA, DFLASH, SGLANG)}

@@ -32,7 +32,7 @@ from safetensors.torch import load_file
 from transformers import DynamicCache
 
 import heads
-from heads.export import export, export_sglang
+from heads.export import export, export_sglang, import_sglang
 
 ROOT = Path(__file__).resolve().parent.parent
 FEATURES = [3, 1, 2]  # out of order on purpose: SGLang concatenates captured layers in ascending order
@@ -216,6 +216,7 @@ def test_reimport_gives_identical_weights(arch, tmp_path):
     export(drafter, tmp_path, format="sglang")
     assert heads.imported_format(tmp_path).name == "specforge"
     again = heads.load(tmp_path, target=target)
+    assert torch.equal(import_sglang(tmp_path, target=target).fc.weight, again.fc.weight)
     ours, theirs = drafter.state_dict(), again.state_dict()
     assert sorted(ours) == sorted(theirs)
     assert [k for k in ours if not torch.equal(ours[k], theirs[k])] == []
