@@ -331,7 +331,7 @@ class Engine:
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
         elif settings.sampling.do_sample and self.captured_step and tree.q is None:  # the walk without reads
-            probs = logits_to_probs(logits, settings.sampling)
+            probs = logits_to_probs(logits, settings.sampling, sync_free=True)
             acc = accept_drawn(tree, probs, ancestors, depth, min(deepest, n - 1), generator)
         elif settings.sampling.do_sample:
             acc = accept_sampled(tree, logits, ancestors, settings.sampling, generator)

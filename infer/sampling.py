@@ -57,10 +57,11 @@ class SamplingParams:
         return procs
 
 
-def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+def logits_to_probs(logits: torch.Tensor, params: SamplingParams, sync_free: bool = False) -> torch.Tensor:
     """Processed next-token distribution (float32) for logits [..., V]: transformers' warpers (temperature, then
     top-k, then top-p, `SamplingParams.warpers`) and a softmax. The tokens top-p keeps are transformers' but for
-    float rounding at the nucleus' edge (its sums run in another order)."""
+    float rounding at the nucleus' edge (its sums run in another order). `sync_free`: top-p's nucleus without a
+    host read (`_nucleus`)."""
     shape = logits.shape
     scores = logits.reshape(-1, shape[-1]).float()
     if params.temperature != 1.0:
@@ -69,22 +70,26 @@ def logits_to_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         kth = scores.topk(params.top_k, dim=-1).values[:, -1:]
         scores = scores.masked_fill(scores < kth, -float("inf"))
     if params.top_p < 1.0:
-        scores = scores.masked_fill(~_nucleus(scores, params.top_p), -float("inf"))
+        scores = scores.masked_fill(~_nucleus(scores, params.top_p, sync_free), -float("inf"))
     return torch.softmax(scores, dim=-1).reshape(shape)
 
 
-def _nucleus(scores: torch.Tensor, top_p: float) -> torch.Tensor:
+def _nucleus(scores: torch.Tensor, top_p: float, sync_free: bool = False) -> torch.Tensor:
     """The tokens TopPLogitsWarper(top_p) keeps of scores [R, V], as a bool mask: those with less than top_p of the
     probability above them (transformers removes a token when its own mass and all below it come to at most
     1 - top_p), so at least the most likely. Read from the best `NUCLEUS_WIDTH` tokens, doubled until every row's
-    nucleus ends among them; past a quarter of the vocabulary, transformers' own warper (a full sort)."""
+    nucleus ends among them; past a quarter of the vocabulary, transformers' own warper (a full sort).
+
+    `sync_free` (a GPU's step): whether a nucleus ends among the best is a host read, so the whole vocabulary is
+    ranked at once (a full sort); the sums over the best tokens are the ones a narrower width finds, so it keeps the
+    tokens the head does, but for the order of tied scores."""
     probs = torch.softmax(scores, dim=-1)
     vocab = scores.shape[-1]
-    width = min(NUCLEUS_WIDTH, vocab)
+    width = vocab if sync_free else min(NUCLEUS_WIDTH, vocab)
     while True:
         best, index = probs.topk(width, dim=-1)  # [R, width], most likely first
         keep = best.cumsum(-1) - best < top_p  # the mass above each token
-        if not keep.all(-1).any() or width == vocab:  # every row's nucleus ends inside the best `width`
+        if width == vocab or not keep.all(-1).any():  # every row's nucleus ends inside the best `width`
             return torch.zeros_like(scores, dtype=torch.bool).scatter_(1, index, keep)
         if 2 * width > vocab // 4:
             return TopPLogitsWarper(top_p)(None, scores) > -float("inf")

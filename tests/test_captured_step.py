@@ -21,6 +21,7 @@ from infer.cuda import StepGraphs
 from infer.engine import VERIFY_BUCKETS
 from infer.options import EngineOptions
 from infer.policy import captured_step
+from infer.sampling import _nucleus
 
 CAPTURED_DRAFTERS = {
     "none": lambda target: "none",
@@ -110,6 +111,15 @@ def test_a_seeded_sample_is_the_one_without_drafts(drafter):
     if drafter == "suffix":  # drafts were accepted: the rewind was tested, not only the walk
         sampled(model, 0)
         assert model.last_stats["mean_accepted_length"] > 1.5
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_the_nucleus_without_a_read_is_the_one_from_the_head(top_p):
+    """The sync-free nucleus ranks the whole vocabulary at once: the tokens it keeps are those the head-first search
+    keeps, on peaked rows (a nucleus of a few tokens) and flat ones (wider than the first width tried)."""
+    g = torch.Generator().manual_seed(0)
+    scores = torch.cat([torch.randn(8, 4096, generator=g) * 6, torch.randn(8, 4096, generator=g) * 0.3])
+    assert torch.equal(_nucleus(scores, top_p, sync_free=True), _nucleus(scores, top_p))
 
 
 def test_captured_step_options_are_checked_and_settled():

@@ -86,7 +86,7 @@ def count_reads(kind: str, do_sample: bool, max_new_tokens: int = 16, **options)
     options = {"static_cache": True, "captured_step": True, "cpu_prepack": False, "lean_verify": False, **options}
     model = SelfSpecModel(target, _drafter(kind, target), **options)
     ids = torch.tensor([[5, 9, 14, 22, 31, 7, 8]])
-    sampling = {"do_sample": True, "temperature": 0.8, "generator": torch.Generator().manual_seed(0)} \
+    sampling = {"do_sample": True, "temperature": 0.8, "top_p": 0.9, "generator": torch.Generator().manual_seed(0)} \
         if do_sample else {"do_sample": False}
     counter = HostReads()
     model.step_observer = counter.step_observer
