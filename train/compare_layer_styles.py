@@ -63,6 +63,7 @@ def prompts(n: int, seed: int) -> list[str]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", nargs="+", default=["qwen3", "gemma3_text"])
+    parser.add_argument("--drafter", default="eagle3", help="the drafter kind whose layer styles are compared")
     parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="training seeds per style")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--train-prompts", type=int, default=96)
@@ -91,30 +92,29 @@ def main(argv=None) -> int:
             for style in ("llama", "target"):
                 for seed in args.seeds:
                     row = {"arch": arch, "style": style, "seed": seed,
-                           **train_and_measure(model, tokenizer, target_dir, data, root, style, seed, args.steps,
-                                               held_out)}
+                           **train_and_measure(args, model, tokenizer, root / arch, data, style, seed, held_out)}
                     print(json.dumps(row), flush=True)
                     rows_out.append(row)
     print(summary(rows_out, args.archs))
     return 0
 
 
-def train_and_measure(model, tokenizer, target_dir: str, data: Path, root: Path, style: str, seed: int, steps: int,
+def train_and_measure(args, model, tokenizer, target_dir: Path, data: Path, style: str, seed: int,
                       held_out: list[str]) -> dict:
-    """One EAGLE-3 drafter of `style` trained on `data`, with the held-out estimate training reports and its mean
-    accepted length drafting a chain of 3 on `held_out`."""
+    """One drafter (`args.drafter`, `args.steps`) of `style` trained on `data`, with the held-out estimate training
+    reports and its mean accepted length drafting a chain of 3 on `held_out`. Its run goes beside `target_dir`."""
     import heads
     from infer import SelfSpecModel
 
     from .config import load_config
     from .train_heads import train
 
-    arch = Path(target_dir).name
+    arch, root = target_dir.name, target_dir.parent
     result = train(load_config(None, {
-        "target": target_dir, "drafter": "eagle3", "data": str(data), "seed": seed,
+        "target": str(target_dir), "drafter": args.drafter, "data": str(data), "seed": seed,
         "output_dir": str(root / f"{arch}-{style}-{seed}"), "features": "offline",
         "feature_cache_dir": str(root / f"{arch}-features"),
-        "max_steps": steps, "batch_size": 8, "lr": 3e-3, "warmup_steps": 5,
+        "max_steps": args.steps, "batch_size": 8, "lr": 3e-3, "warmup_steps": 5,
         "eval_fraction": 0.1, "ttt_steps": 2, "progress_bar": False, "log_every": 0,
         "drafter_options": {"layer_style": style}}))
     drafter = heads.load(result["drafter_dir"])
