@@ -140,6 +140,7 @@ class KVState:
         self._size = 0
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] live tokens = next position
         self._masks: dict[tuple, torch.Tensor] = {}  # (name, block size) -> preallocated static mask
+        self._counters: torch.Tensor | None = None  # [L] every static layer's write counter, one tensor
 
     @property
     def size(self) -> int:
@@ -212,10 +213,22 @@ class KVState:
         self._masks.clear()
 
     def _sync_layers(self) -> None:
-        """Point every static layer's write counter at `size` (forwards advance it; commits move it back)."""
-        if self.static:
+        """Point every static layer's write counter at `size` (forwards advance it; commits move it back).
+
+        Once the layers exist, their counters are made views of one tensor, set here in one op rather than one a
+        layer: on a GPU each op is a launch, and the counters keep their addresses for captured forwards."""
+        if not self.static:
+            return
+        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
+        if len(layers) != len(self.cache.layers) or not layers:  # some not made yet: one by one
             for layer in self.cache.layers:
                 layer.cumulative_length.fill_(self._size)
+            return
+        if self._counters is None or layers[0].cumulative_length.data_ptr() != self._counters.data_ptr():
+            self._counters = torch.zeros(len(layers), dtype=torch.long, device=layers[0].keys.device)
+            for i, layer in enumerate(layers):
+                layer.cumulative_length = self._counters[i]
+        self._counters.fill_(self._size)
 
     def mask(self, query_pos: torch.Tensor, attend: torch.Tensor, dtype: torch.dtype):
         """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, size + N].

@@ -74,6 +74,21 @@ def test_the_verify_forward_runs_on_the_kept_buffers():
     assert len(kept) < len(verify)
 
 
+def test_the_layers_write_counters_are_one_tensor():
+    """After each commit the static layers' write counters are set in one op (views of one tensor), and keep their
+    addresses from call to call, as a captured forward needs."""
+    target = tiny_model("llama")
+    model = captured(target, "ngram")
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5]])
+    model.generate(ids, max_new_tokens=12)
+    kv = model._cache
+    counters = [layer.cumulative_length for layer in kv.cache.layers]
+    assert len({c.untyped_storage().data_ptr() for c in counters}) == 1 and len(counters) == 4
+    assert [int(c) for c in counters] == [kv.size] * 4
+    model.generate(ids, max_new_tokens=12)
+    assert [layer.cumulative_length.data_ptr() for layer in kv.cache.layers] == [c.data_ptr() for c in counters]
+
+
 @pytest.fixture(scope="module")
 def sampling_target():
     return tiny_model("llama", vocab_size=V, init_std=0.2)
