@@ -75,6 +75,7 @@ class Settings:
     depth: int = ORACLE_DEPTH
     tree: dict = field(default_factory=lambda: dict(EAGLE2_TREE))
     seed: int = 0
+    trained_kind: str = "eagle3"  # the random trained drafter timed over the tree (the anchors' EAGLE-3 step)
 
 
 def bandwidth(device: torch.device, given: float | None) -> tuple[float | None, str]:
@@ -177,9 +178,10 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
                                static_cache=True, **options))
         rows[-1].extra["expected_tau"] = expected_tokens_per_step(middle, settings.depth)
     for suffix, options in (("", {}), ("+captured", {"static_cache": True, "captured_step": True})):
-        rows.append(engine_row(target, ids, f"eagle3_tree60{suffix}", f"a random EAGLE-3 drafter, tree {tree}"
+        rows.append(engine_row(target, ids, f"{settings.trained_kind}_tree60{suffix}",
+                               f"a random {settings.trained_kind} drafter, tree {tree}"
                                + (f", {STATIC_PATHS[suffix]}" if suffix else ""), settings,
-                               lambda: heads.build("eagle3", target).to(device=target.device, dtype=target.dtype),
+                               lambda: heads.build(settings.trained_kind, target).to(target.device, target.dtype),
                                answers, tree=dict(tree), **options))
     return rows
 
