@@ -102,7 +102,8 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
     """Write `model` as a speculators EAGLE-3 checkpoint (config.json + model.safetensors) vLLM can serve.
 
     Only the paper layout exports (`input_mode="widen"`, a Llama-layout layer without extra parameters such
-    as Qwen3's q/k norms). The embedding is not written: vLLM and speculators then use the verifier's.
+    as Qwen3's q/k norms): every `layer_style="llama"` drafter, whatever the target. The embedding is not
+    written: vLLM and speculators then use the verifier's.
     """
     c = model.config
     _check_llama_layers(model, "speculators EAGLE-3")
@@ -428,9 +429,6 @@ def _read_mask_embedding(path_or_id, mask_token_id, target, **hub_kwargs) -> tor
 # ---- SGLang EAGLE-3 (SpecForge's output, SGLang's LlamaForCausalLMEagle3) -----------------------------------
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
-# The layer weights SGLang's LlamaForCausalLMEagle3 loads into its `midlayer` (q/k/v and gate/up are fused on
-# load from these names); a name it does not know is skipped without a word, so these must be exact.
-SGLANG_MIDLAYER_WEIGHTS = tuple(LLAMA_LAYER_WEIGHTS) + ("hidden_norm.weight",)
 
 
 def export_sglang(model: Eagle3Model, out_dir) -> str:
