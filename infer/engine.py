@@ -13,6 +13,13 @@ The loop (Stern et al. 2018; Leviathan et al. 2023; Cai et al. 2024 for trees):
 Greedy output is token-identical to `target.generate(do_sample=False)`; sampling is exact rejection
 sampling over the tree, so outputs follow the target's distribution.
 
+Between 4 and 5 the host reads the device once (`_read_step`: the kept paths, their lengths and the new tokens,
+in one small tensor); greedy acceptance stays on the device, and what the host keeps (rows alive, tokens
+emitted, budgets) it keeps as Python values. On a GPU any other read would drain the queue of launched kernels.
+The captured step (`Plan.captured_step`, `infer.cuda`) replays the verify forward as a CUDA graph per node bucket,
+drafts without reads and accepts sampled deterministic drafts on the device too (`infer.verify.accept_drawn`);
+without it, sampled acceptance walks the tree on the host, where a CPU's reads cost next to nothing.
+
 `Engine` runs a settled `infer.options.Plan` and chooses nothing: which drafter, kernels and forwards run, and
 whether a call of several rows drafts, are settled before it (`infer.policy.settle`); `infer.SelfSpecModel` is
 the engine with its options settled so.

@@ -141,6 +141,7 @@ class KVState:
         self.length = torch.zeros(batch_size, dtype=torch.long, device=device)  # [B] live tokens = next position
         self._masks: dict[tuple, torch.Tensor] = {}  # (name, block size) -> preallocated static mask
         self._counters: torch.Tensor | None = None  # [L] every static layer's write counter, one tensor
+        self._unified: torch.Tensor | None = None  # [2L, B, H, capacity, D] every static layer's keys and values
 
     @property
     def size(self) -> int:
@@ -213,22 +214,49 @@ class KVState:
         self._masks.clear()
 
     def _sync_layers(self) -> None:
-        """Point every static layer's write counter at `size` (forwards advance it; commits move it back).
-
-        Once the layers exist, their counters are made views of one tensor, set here in one op rather than one a
-        layer: on a GPU each op is a launch, and the counters keep their addresses for captured forwards."""
+        """Point every static layer's write counter at `size` (forwards advance it; commits move it back): one op
+        once the layers are adopted (`_adopt_layers`), on a GPU one launch rather than one a layer."""
         if not self.static:
             return
-        layers = [layer for layer in self.cache.layers if getattr(layer, "is_initialized", False)]
-        if len(layers) != len(self.cache.layers) or not layers:  # some not made yet: one by one
-            for layer in self.cache.layers:
-                layer.cumulative_length.fill_(self._size)
+        if self._counters is not None and self._adopted():
+            self._counters.fill_(self._size)
             return
-        if self._counters is None or layers[0].cumulative_length.data_ptr() != self._counters.data_ptr():
-            self._counters = torch.zeros(len(layers), dtype=torch.long, device=layers[0].keys.device)
+        for layer in self.cache.layers:
+            layer.cumulative_length.fill_(self._size)
+
+    def _adopted(self) -> bool:
+        layers = self.cache.layers
+        return bool(layers) and self._counters is not None \
+            and layers[0].cumulative_length.data_ptr() == self._counters.data_ptr()
+
+    def _adopt_layers(self) -> None:
+        """Once the model has made its static layers (at its first forward), make their write counters views of one
+        tensor and their keys and values views of one buffer (`_unify`): a commit then moves the kept slots of every
+        layer in one gather and sets every counter in one op, and the addresses stay put for captured forwards."""
+        layers = self.cache.layers
+        if not layers or not all(getattr(layer, "is_initialized", False) for layer in layers):
+            return
+        if not self._adopted():
+            self._counters = torch.stack([layer.cumulative_length for layer in layers])
             for i, layer in enumerate(layers):
                 layer.cumulative_length = self._counters[i]
-        self._counters.fill_(self._size)
+        if not self._is_unified(layers):
+            self._unify(layers)
+
+    def _is_unified(self, layers) -> bool:
+        return self._unified is not None and layers[0].keys.data_ptr() == self._unified.data_ptr()
+
+    def _unify(self, layers) -> None:
+        """Move every static layer's keys and values into one buffer (where their shapes and dtypes agree), so a
+        commit moves the kept slots of all layers in one gather; the layers hold views of it, at addresses that
+        stay put from then on. Done once the layers exist (the model makes them at its first forward)."""
+        shapes = {(t.shape, t.dtype) for layer in layers for t in (layer.keys, layer.values)}
+        if len(shapes) != 1:  # heads or head sizes differ between layers: each commits its own
+            self._unified = None
+            return
+        self._unified = torch.stack([t for layer in layers for t in (layer.keys, layer.values)])
+        for i, layer in enumerate(layers):
+            layer.keys, layer.values = self._unified[2 * i], self._unified[2 * i + 1]
 
     def mask(self, query_pos: torch.Tensor, attend: torch.Tensor, dtype: torch.dtype):
         """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, size + N].
@@ -298,6 +326,8 @@ class KVState:
         self._valid[:, self._size:self._size + n] = False
         self._pos[:, self._size:self._size + n] = position_ids
         self._size += n
+        if self.static:
+            self._adopt_layers()
 
     def commit(self, start: int, slots: torch.Tensor, keep: torch.Tensor, in_place: bool | None = None) -> None:
         """Keep slots `start + slots[b, j]` (where `keep[b, j]`) at `start + j`; drop everything after.
@@ -312,7 +342,14 @@ class KVState:
         # nothing to move then, only the rest to drop.
         if in_place is None:
             in_place = bool((slots == torch.arange(width, device=slots.device)).all())
-        for layer in self.cache.layers:
+        layers = self.cache.layers
+        if self.static and layers and self._is_unified(layers):  # one gather for all layers
+            if not in_place:
+                t = self._unified  # [2L, B, H, capacity, D]
+                moved = index[None, :, None, :, None].expand(t.shape[0], -1, t.shape[2], -1, t.shape[4])
+                t[:, :, :, start:start + width] = t.gather(3, moved)
+            layers = ()
+        for layer in layers:
             if not getattr(layer, "is_initialized", True) or layer.keys is None or layer.keys.numel() == 0:
                 continue
             for name in ("keys", "values"):

@@ -74,19 +74,24 @@ def test_the_verify_forward_runs_on_the_kept_buffers():
     assert len(kept) < len(verify)
 
 
-def test_the_layers_write_counters_are_one_tensor():
-    """After each commit the static layers' write counters are set in one op (views of one tensor), and keep their
-    addresses from call to call, as a captured forward needs."""
+def test_the_layers_share_one_buffer_and_one_counter():
+    """The static layers' keys and values are views of one buffer (a commit moves every layer's kept slots in one
+    gather) and their write counters views of one tensor (set in one op), at addresses kept from call to call, as a
+    captured forward needs; the output is still the target's."""
     target = tiny_model("llama")
-    model = captured(target, "ngram")
+    model = captured(target, "lookahead:4,3,4")  # guesses off the first branch: commits that move slots
     ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5]])
-    model.generate(ids, max_new_tokens=12)
+    model.generate(ids, max_new_tokens=24)
     kv = model._cache
-    counters = [layer.cumulative_length for layer in kv.cache.layers]
+    layers = kv.cache.layers
+    counters = [layer.cumulative_length for layer in layers]
     assert len({c.untyped_storage().data_ptr() for c in counters}) == 1 and len(counters) == 4
     assert [int(c) for c in counters] == [kv.size] * 4
-    model.generate(ids, max_new_tokens=12)
-    assert [layer.cumulative_length.data_ptr() for layer in kv.cache.layers] == [c.data_ptr() for c in counters]
+    assert len({t.untyped_storage().data_ptr() for layer in layers for t in (layer.keys, layer.values)}) == 1
+    addresses = [(layer.keys.data_ptr(), layer.cumulative_length.data_ptr()) for layer in layers]
+    assert torch.equal(model.generate(ids, max_new_tokens=24), target.generate(ids, max_new_tokens=24,
+                                                                                do_sample=False))
+    assert [(layer.keys.data_ptr(), layer.cumulative_length.data_ptr()) for layer in layers] == addresses
 
 
 @pytest.fixture(scope="module")
