@@ -30,6 +30,8 @@ CAPTURED_DRAFTERS = {
     "lookahead": lambda target: "lookahead:4,3,4",  # scored nodes beside the tree
     "eagle": lambda target: heads.build("eagle", target),  # a dynamic tree of a fixed size (sync_free)
     "eagle3": lambda target: heads.build("eagle3", target),
+    "medusa": lambda target: heads.build("medusa", target),  # a static tree, whole (sync_free)
+    "dflash": lambda target: heads.build("dflash", target, block_size=4, tree={"top_k": 3}),  # a block's tree
 }
 
 

@@ -109,10 +109,11 @@ def test_the_counter_sees_reads():
     assert counter.count == 8, counter.names
 
 
-# (drafter kind, sampled): the device path's target is one read a step. Sampled steps of deterministic drafts (these
-# drafters') walk the tree on the device (`infer.verify.accept_drawn`); sampled drafts with their q (a draft model)
-# still walk it on the host and are not counted here.
-CASES = [("none", False), ("eagle3", False), ("eagle", False), ("none", True), ("eagle3", True), ("eagle", True)]
+# (drafter kind, sampled): the device path's target is one read a step. Sampled steps of deterministic drafts walk
+# the tree on the device (`infer.verify.accept_drawn`); sampled drafts with their q (a draft model, DFlash's sampled
+# chain) still walk it on the host and are not counted here.
+CASES = [("none", False), ("eagle3", False), ("eagle", False), ("medusa", False), ("dflash", False),
+         ("none", True), ("eagle3", True), ("eagle", True), ("medusa", True)]
 
 
 @pytest.mark.parametrize(("kind", "do_sample"), CASES)

@@ -78,7 +78,8 @@ class DFlashDrafter(HeadDrafter):
     def propose(self, budget: torch.Tensor) -> DraftTree:
         # budget: [B]
         b = self.root.shape[0]
-        depth = min(self.tree["depth"], int(budget.max()))
+        # sync_free (a GPU's step): no read of the budget; the block's drafts past it are pruned below
+        depth = self.tree["depth"] if self.sync_free else min(self.tree["depth"], int(budget.max()))
         if self.tree["top_k"] == 1:
             depth = min(depth, self.tree["total_tokens"])
         if depth < 1:

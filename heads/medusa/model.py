@@ -103,6 +103,7 @@ class MedusaDrafter(HeadDrafter):
         for p in self.parents[1:].tolist():
             depth.append(depth[p] + 1)
         self.depth = torch.tensor(depth)
+        self._depths, self._ranks = depth, self.ranks.tolist()  # the same on the host: propose reads neither
         self.hidden = self.root = None
 
     def observe(self, step) -> None:
@@ -116,13 +117,14 @@ class MedusaDrafter(HeadDrafter):
     def propose(self, budget: torch.Tensor) -> DraftTree:
         # budget: [B]
         b, device = self.root.shape[0], self.root.device
-        max_depth = min(int(self.depth.max()), int(budget.max()))
-        n = int((self.depth <= max_depth).sum())  # nodes are depth-ordered: keep a prefix
+        # sync_free (a GPU's step): no read of the budget; the whole tree, pruned to the budget below
+        max_depth = max(self._depths) if self.sync_free else min(max(self._depths), int(budget.max()))
+        n = sum(d <= max_depth for d in self._depths)  # nodes are depth-ordered: keep a prefix
         depth, ranks = self.depth[:n].to(device), self.ranks[:n].to(device)
         tokens = self.root[:, None].expand(b, n).clone()
         if n > 1:
             logits = self.model(self.hidden[:, None], num_heads=max_depth)[:, :, 0]  # [K, B, V]
-            top = logits.topk(int(ranks.max()) + 1, dim=-1).indices  # [K, B, R]
+            top = logits.topk(max(self._ranks[:n]) + 1, dim=-1).indices  # [K, B, R]
             tokens[:, 1:] = top[depth[1:] - 1, :, ranks[1:]].T
         parents = self.parents[:n].to(device).expand(b, n)
         tree = DraftTree(tokens, parents, torch.ones(b, n, dtype=torch.bool, device=device))
