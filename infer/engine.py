@@ -111,6 +111,15 @@ class _Rows:
     limit: list[int]  # max new tokens per output row (max_new_tokens, capped by the context length)
     out: list[list[int]] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)  # tokens per verify step, all rows
+    # per live row, on the device: its limit and its new tokens so far, kept there step by step, since a list
+    # copied to a GPU waits for the queue as a read does
+    limit_on_device: torch.Tensor | None = None
+    count_on_device: torch.Tensor | None = None
+
+    def start_on(self, device: torch.device) -> None:
+        """The device's copies of the limits and counts (once a call, after the first token)."""
+        self.limit_on_device = torch.tensor([self.limit[r] for r in self.alive], device=device)
+        self.count_on_device = torch.tensor([len(self.out[r]) for r in self.alive], device=device)
 
     def emit(self, row: int, tokens: list[int], eos: set[int]) -> bool:
         """Append tokens for an output row; True if the row is finished."""
@@ -264,20 +273,20 @@ class Engine:
         done = self._emit(rows, [[t] for t in step.next_tokens.tolist()], settings, streamer)
         self._active.bind(self.target, settings.sampling, input_ids.shape[0], generator)
         self._active.observe(step)
+        rows.start_on(kv.length.device)
         self._drop_finished(kv, rows, done)
 
         while rows.alive:
             # 2. Draft a tree below each row's root, no deeper than the row may still emit.
             tic = time.perf_counter()
-            budget_left = self._budget(rows)
-            budget = torch.tensor(budget_left, device=kv.length.device)
+            budget = (rows.limit_on_device - rows.count_on_device - 1).clamp(min=0)
             tree = self._active.propose(budget).prune_deeper_than(budget)
             stats["draft_seconds"] += time.perf_counter() - tic
             # 3-5. Verify every node in one forward, accept, keep only the accepted path's KV: the step's one
             # read of the device (`_Read`) comes between acceptance and the commit.
             tic = time.perf_counter()
-            emitted = torch.tensor([len(rows.out[r]) for r in rows.alive], device=tree.tokens.device)
-            step, acc, seen = self._verify(kv, tree, settings, generator, emitted, stats, max(budget_left))
+            step, acc, seen = self._verify(kv, tree, settings, generator, rows.count_on_device, stats,
+                                           max(self._budget(rows)))
             stats["verify_seconds"] += time.perf_counter() - tic
             if self.step_observer is not None:
                 self.step_observer(tree, acc, budget)
@@ -285,6 +294,7 @@ class Engine:
             stats["row_forwards"] += len(rows.alive)
             done = self._emit(rows, seen.tokens, settings, streamer)
             rows.accepted.extend(seen.lengths)
+            rows.count_on_device = rows.count_on_device + acc.length
             # 6. The drafter learns what was committed.
             tic = time.perf_counter()
             self._active.observe(step)
@@ -456,6 +466,7 @@ class Engine:
             index = torch.tensor(keep, device=kv.length.device)
             kv.select_rows(index)
             self._active.select_rows(index)
+            rows.limit_on_device, rows.count_on_device = rows.limit_on_device[index], rows.count_on_device[index]
 
     def _assemble(self, input_ids, rows: _Rows, pad: int) -> torch.Tensor:
         width = max(len(o) for o in rows.out)

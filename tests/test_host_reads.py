@@ -5,6 +5,10 @@ Every time the loop reads a tensor's value on the host (`.item()`, `.tolist()`, 
 queued before it: the launch queue drains and the step turns launch-bound. The device path's target (issue #49) is
 one read per step, of the accepted lengths and tokens, which the host needs anyway (output, eos, the budget).
 
+Copies of host values to the device are counted too (`torch.tensor(values, device=...)`): without `non_blocking`
+from pinned memory, torch waits for the device's queue before such a copy, as it does for a read. The device path's
+target there is none a step.
+
 Reads are counted with a `TorchFunctionMode` between consecutive calls of the engine's `step_observer`, so each
 count covers one whole step (emit, drafter observe, budget, propose, verify, accept, commit) and neither the
 prefill nor the set-up of a call.
@@ -42,14 +46,22 @@ def _is_read(func, args, kwargs) -> bool:
     return False
 
 
+def _is_upload(func, args, kwargs) -> bool:
+    """A tensor made from host values (a list, a number) straight onto a device."""
+    name = getattr(func, "__name__", "")
+    return name in ("tensor", "as_tensor") and "device" in kwargs and not isinstance(args[0], torch.Tensor)
+
+
 class HostReads(TorchFunctionMode):
     """Counts host reads; `step_observer` (an engine option) snapshots the count after every verify step."""
 
     def __init__(self):
         super().__init__()
         self.count = 0
+        self.uploads = 0
         self.names: list[str] = []
         self.at_steps: list[int] = []
+        self.uploads_at_steps: list[int] = []
         self._names_at: list[int] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -57,15 +69,20 @@ class HostReads(TorchFunctionMode):
         if _is_read(func, args, kwargs):
             self.count += 1
             self.names.append(getattr(func, "__name__", str(func)))
+        self.uploads += _is_upload(func, args, kwargs)
         return func(*args, **kwargs)
 
     def step_observer(self, tree, acceptance, budget) -> None:
         self.at_steps.append(self.count)
+        self.uploads_at_steps.append(self.uploads)
         self._names_at.append(len(self.names))
 
     def per_step(self) -> list[int]:
         """Reads of each whole step: from one verify's observer call to the next."""
         return [b - a for a, b in zip(self.at_steps, self.at_steps[1:], strict=False)]
+
+    def uploads_per_step(self) -> list[int]:
+        return [b - a for a, b in zip(self.uploads_at_steps, self.uploads_at_steps[1:], strict=False)]
 
     def last_step_names(self) -> list[str]:
         return self.names[self._names_at[-2]:self._names_at[-1]] if len(self._names_at) > 1 else []
@@ -106,7 +123,9 @@ def test_the_counter_sees_reads():
     with HostReads() as counter:
         x[0].item(), x.tolist(), bool(x[0]), int(x[1]), x.nonzero(), x[x > 1], x.cpu()
         [7, 8, 9][x[0]]
+        torch.tensor([1, 2], device=x.device), torch.tensor([1, 2])  # an upload; a host tensor
     assert counter.count == 8, counter.names
+    assert counter.uploads == 1
 
 
 # (drafter kind, sampled): the device path's target is one read a step. Sampled steps of deterministic drafts walk
@@ -121,3 +140,4 @@ def test_one_host_read_per_step(kind, do_sample):
     counter = count_reads(kind, do_sample)
     steps = counter.per_step()
     assert max(steps) <= 1, f"host reads per step: {steps}; the last step's: {counter.last_step_names()}"
+    assert max(counter.uploads_per_step()) == 0, f"host values copied to the device per step: {counter.uploads_per_step()}"
