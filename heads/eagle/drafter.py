@@ -54,6 +54,14 @@ class StaticLevels:
             self.width[d] = max(ranks[i] for i in level) + 1  # candidates per frontier node: known here, not read
             self.expand[d] = torch.tensor([j for j, i in enumerate(level) if i in has_children], dtype=torch.long)
             frontier = [i for i in level if i in has_children]
+        self._copies: dict[tuple, torch.Tensor] = {}
+
+    def on(self, device: torch.device, table: str, d: int) -> torch.Tensor:
+        """Depth d's `table` on `device`, copied once: a copy to a GPU each step would wait for its queue."""
+        key = (device, table, d)
+        if key not in self._copies:
+            self._copies[key] = getattr(self, table)[d].to(device)
+        return self._copies[key]
 
 
 class EagleDrafter(HeadDrafter):
@@ -155,7 +163,7 @@ class EagleDrafter(HeadDrafter):
             top = f_logp.topk(k, dim=-1)  # [B, F, k]
             c_from = torch.arange(f, device=f_logp.device).repeat_interleave(k).expand(b, f * k)
             return top.indices.flatten(1), top.values.flatten(1), c_from
-        pos, ranks = self.static.parent_pos[d].to(f_logp.device), self.static.ranks[d].to(f_logp.device)
+        pos, ranks = self.static.on(f_logp.device, "parent_pos", d), self.static.on(f_logp.device, "ranks", d)
         top = f_logp.topk(min(self.static.width[d], v), dim=-1)  # [B, F, R]
         ranks = ranks.clamp(max=top.indices.shape[2] - 1)
         return top.indices[:, pos, ranks], top.values[:, pos, ranks], pos.expand(b, -1)
@@ -163,7 +171,7 @@ class EagleDrafter(HeadDrafter):
     def _next_frontier(self, d: int, c_score: torch.Tensor) -> torch.Tensor:
         if self.static is None:
             return c_score.topk(self._frontier_size(d, c_score.shape[1]), dim=1).indices
-        return self.static.expand[d].to(c_score.device).expand(c_score.shape[0], -1)
+        return self.static.on(c_score.device, "expand", d).expand(c_score.shape[0], -1)
 
     def pass_rows(self) -> tuple[int, ...]:
         """Rows of each drafter pass `propose` runs per batch row after the observe step (the frontier of

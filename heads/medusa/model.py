@@ -104,6 +104,7 @@ class MedusaDrafter(HeadDrafter):
             depth.append(depth[p] + 1)
         self.depth = torch.tensor(depth)
         self._depths, self._ranks = depth, self.ranks.tolist()  # the same on the host: propose reads neither
+        self._tables: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (device, nodes) -> depth, ranks, parents there
         self.hidden = self.root = None
 
     def observe(self, step) -> None:
@@ -120,13 +121,15 @@ class MedusaDrafter(HeadDrafter):
         # sync_free (a GPU's step): no read of the budget; the whole tree, pruned to the budget below
         max_depth = max(self._depths) if self.sync_free else min(max(self._depths), int(budget.max()))
         n = sum(d <= max_depth for d in self._depths)  # nodes are depth-ordered: keep a prefix
-        depth, ranks = self.depth[:n].to(device), self.ranks[:n].to(device)
+        if (device, n) not in self._tables:  # copied once: a copy to a GPU each step would wait for its queue
+            self._tables[device, n] = tuple(t[:n].to(device) for t in (self.depth, self.ranks, self.parents))
+        depth, ranks, parents = self._tables[device, n]
         tokens = self.root[:, None].expand(b, n).clone()
         if n > 1:
             logits = self.model(self.hidden[:, None], num_heads=max_depth)[:, :, 0]  # [K, B, V]
             top = logits.topk(max(self._ranks[:n]) + 1, dim=-1).indices  # [K, B, R]
             tokens[:, 1:] = top[depth[1:] - 1, :, ranks[1:]].T
-        parents = self.parents[:n].to(device).expand(b, n)
+        parents = parents.expand(b, n)
         tree = DraftTree(tokens, parents, torch.ones(b, n, dtype=torch.bool, device=device))
         return tree.prune_deeper_than(budget)
 
