@@ -186,7 +186,7 @@ def test_captured_step_bf16_mismatch_rate_on_a_gpu(record_property):
     """bf16 verifies many nodes in one forward where generate runs one: kernels reduce in another order and near
     ties can flip. Not asserted identical; the share of prompts whose output differs is recorded."""
     target = tiny_model("llama").cuda().to(torch.bfloat16)
-    model = SelfSpecModel(target, heads.build("eagle3", target), static_cache=True)
+    model = SelfSpecModel(target, "lookahead:4,3,4", static_cache=True)  # blocks of many nodes: the case at risk
     differ = 0
     for seed in range(8):
         ids = torch.tensor([prompts(1, seed=seed)[0]], device="cuda")
