@@ -101,6 +101,15 @@ class _Settings:
     min_new_tokens: int = 0  # eos is impossible before this many new tokens (transformers' MinNewTokens...)
     suppress: list[int] = field(default_factory=list)  # never generated (suppress_tokens, one-token bad words)
     begin_suppress: list[int] = field(default_factory=list)  # not generated as the first new token
+    _ids: dict = field(default_factory=dict)  # (which, device) -> those token ids as a tensor there, made once
+
+    def ids(self, which: str, device: torch.device) -> torch.Tensor:
+        """Token ids (`suppress`, `begin_suppress`, or `eos` in order) as an index on `device`, made once a call: a
+        list used as an index is copied to the device at every use, and a copy to a GPU waits for its queue."""
+        if (which, device) not in self._ids:
+            values = sorted(self.eos) if which == "eos" else getattr(self, which)
+            self._ids[which, device] = torch.tensor(values, dtype=torch.long, device=device)
+        return self._ids[which, device]
 
 
 @dataclass
@@ -530,14 +539,15 @@ class Engine:
         logits: [B, N, V] for nodes whose predicted token is new token number `new_so_far[b, n]` (0 = first).
         """
         if settings.suppress:
-            logits[..., settings.suppress] = -float("inf")
+            logits.index_fill_(-1, settings.ids("suppress", logits.device), -float("inf"))
         if settings.begin_suppress:
+            ids = settings.ids("begin_suppress", logits.device)
             first = (new_so_far == 0)[..., None]
-            logits[..., settings.begin_suppress] = logits[..., settings.begin_suppress].masked_fill(first, -float("inf"))
+            logits.index_copy_(-1, ids, logits.index_select(-1, ids).masked_fill(first, -float("inf")))
         if settings.min_new_tokens and settings.eos:
-            ids = sorted(settings.eos)
+            ids = settings.ids("eos", logits.device)
             early = (new_so_far < settings.min_new_tokens)[..., None]
-            logits[..., ids] = logits[..., ids].masked_fill(early, -float("inf"))
+            logits.index_copy_(-1, ids, logits.index_select(-1, ids).masked_fill(early, -float("inf")))
         return logits
 
     def _check_inputs(self, input_ids, attention_mask, streamer):

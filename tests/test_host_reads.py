@@ -96,7 +96,7 @@ def _drafter(kind: str, target):
     return drafter
 
 
-def count_reads(kind: str, do_sample: bool, max_new_tokens: int = 16, **options) -> HostReads:
+def count_reads(kind: str, do_sample: bool, max_new_tokens: int = 16, bans: bool = False, **options) -> HostReads:
     target = tiny_model("llama")
     # the device path: the captured step (its static buffers run uncaptured on a CPU), and none of the CPU-only
     # lean forwards or prepacked weights, which read on the host by design
@@ -108,7 +108,12 @@ def count_reads(kind: str, do_sample: bool, max_new_tokens: int = 16, **options)
     counter = HostReads()
     model.step_observer = counter.step_observer
     with counter:
-        model.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=[], **sampling)
+        if bans:  # token bans, applied to the verified logits at every step
+            sampling.update(eos_token_id=[3], min_new_tokens=max_new_tokens, suppress_tokens=[4, 6],
+                            begin_suppress_tokens=[7])
+        else:
+            sampling.update(eos_token_id=[])
+        model.generate(ids, max_new_tokens=max_new_tokens, **sampling)
     assert len(counter.per_step()) >= 2, "too few steps to count"
     return counter
 
@@ -131,13 +136,15 @@ def test_the_counter_sees_reads():
 # (drafter kind, sampled): the device path's target is one read a step. Sampled steps of deterministic drafts walk
 # the tree on the device (`infer.verify.accept_drawn`); sampled drafts with their q (a draft model, DFlash's sampled
 # chain) still walk it on the host and are not counted here.
-CASES = [("none", False), ("eagle3", False), ("eagle", False), ("medusa", False), ("dflash", False),
-         ("none", True), ("eagle3", True), ("eagle", True), ("medusa", True)]
+# With `bans`, token bans (suppress_tokens, begin_suppress_tokens, min_new_tokens) apply to every step's logits.
+CASES = [("none", False, False), ("eagle3", False, False), ("eagle", False, False), ("medusa", False, False),
+         ("dflash", False, False), ("none", True, False), ("eagle3", True, False), ("eagle", True, False),
+         ("medusa", True, False), ("none", False, True), ("eagle3", True, True)]
 
 
-@pytest.mark.parametrize(("kind", "do_sample"), CASES)
-def test_one_host_read_per_step(kind, do_sample):
-    counter = count_reads(kind, do_sample)
+@pytest.mark.parametrize(("kind", "do_sample", "bans"), CASES)
+def test_one_host_read_per_step(kind, do_sample, bans):
+    counter = count_reads(kind, do_sample, bans=bans)
     steps = counter.per_step()
     assert max(steps) <= 1, f"host reads per step: {steps}; the last step's: {counter.last_step_names()}"
     assert max(counter.uploads_per_step()) == 0, f"host values copied to the device per step: {counter.uploads_per_step()}"
