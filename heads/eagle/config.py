@@ -9,8 +9,8 @@ from infer.tuning.candidates import prior_paths
 from ..base import DrafterConfig
 from ..layers import LAYER_STYLES, default_attn_implementation, layer_config_dict, llama_layer_config_dict
 
-# New drafters' layer style. Both styles measured equal within noise on tiny Qwen3 and Gemma 3 targets
-# (docs/export.md, "Layer style"), and "llama" exports to vLLM and SGLang for every target.
+# New drafters' layer style: "llama" measured no worse than the target's own layer at equal budget (docs/export.md,
+# "Layer style") and exports to vLLM and SGLang for every target.
 DEFAULT_LAYER_STYLE = "llama"
 
 # Tree settings shared by EAGLE and EAGLE-3. The EAGLE-2 reference setup drafts on the order of 60 tokens
