@@ -115,3 +115,23 @@ def test_llama_style_drafters_run_the_lean_cpu_forward(arch):
 
     assert why_not(heads.build("eagle3", target_for(arch), layer_style="llama")) is None
     assert why_not(heads.build("eagle3", target_for(arch), layer_style="target")) is not None
+
+
+@pytest.mark.parametrize(("arch", "overrides"), [
+    ("qwen3", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                   "original_max_position_embeddings": 64}}),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    ("gemma3_text", {"num_hidden_layers": 6}),  # layer 6 is full attention: its RoPE (theta 1e6), not the sliding one's
+    ("phi3", {}),
+])
+def test_the_llama_layer_rotates_as_the_targets_full_attention_layers(arch, overrides):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).eval()
+    drafter = heads.build("eagle3", target, layer_style="llama")
+    x, positions = torch.zeros(1, 5, 32), torch.tensor([[0, 3, 17, 100, 200]])
+    kwargs = {"layer_type": "full_attention"} if arch == "gemma3_text" else {}
+    for ours, theirs in zip(drafter.rotary_emb(x, positions), target.model.rotary_emb(x, positions, **kwargs),
+                            strict=True):
+        torch.testing.assert_close(ours, theirs)
