@@ -151,7 +151,7 @@ def test_build_rejects_unknown_kind_and_options():
     with pytest.raises(ValueError, match="feature_layers"):
         heads.build("eagle3", config, feature_layers=[1, 9])
     with pytest.raises(ValueError, match="input_mode='widen' needs a Llama-layout layer"):
-        heads.build("eagle3", target_for("gpt2").config, input_mode="widen")
+        heads.build("eagle3", target_for("gpt2").config, input_mode="widen", layer_style="target")
 
 
 @pytest.mark.parametrize(("kind", "arch"), CASES)
@@ -173,8 +173,10 @@ def test_forward_shapes(kind, arch):
         assert hidden.shape == (2, 5, D)
         assert logits.shape == (2, 5, V if kind == "eagle" else drafter.config.draft_vocab_size)
         assert drafter.feature_layers == ((L,) if kind == "eagle" else (2, L // 2, L - 3))
-    if kind == "eagle3":
-        assert drafter.config.input_mode == ("widen" if arch in WIDEN_ARCHS else "project")
+    if kind == "eagle3":  # the default Llama layer is always widened; the target's own only where it is Llama-like
+        assert drafter.config.input_mode == "widen"
+        own = heads.build(kind, target.config, layer_style="target")
+        assert own.config.input_mode == ("widen" if arch in WIDEN_ARCHS else "project")
 
 
 def test_fresh_medusa_head_is_the_lm_head():
@@ -491,7 +493,7 @@ def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
 @pytest.mark.parametrize("arch", SPECULATORS_ARCHS)
 def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
     target = target_for(arch)
-    drafter = perturb(heads.build("eagle3", target))
+    drafter = perturb(heads.build("eagle3", target, layer_style="target"))  # Qwen2's own layer: q/k/v biases
     export_speculators(drafter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
@@ -541,7 +543,7 @@ def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
                                                ("gemma2", "no 'project' input mode")])
 def test_speculators_export_refuses_other_layouts(arch, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        export_speculators(heads.build("eagle3", target_for(arch).config), tmp_path)
+        export_speculators(heads.build("eagle3", target_for(arch).config, layer_style="target"), tmp_path)
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
