@@ -38,16 +38,18 @@ class _Graph:
 class StepGraphs:
     """The target's forward for verify blocks, captured per block shape (`capture`, default: on a CUDA device).
 
-    A graph is kept per (block shape, mask buffers, KV buffers, hidden states asked): a new static cache (another
-    batch size, a grown cache, rows dropped) or a new mask buffer captures anew, so a replay never writes into
-    buffers that are gone. The output of a replay is overwritten by the next one: read it before the next step."""
+    A graph is kept per (block shape, mask buffers, hidden states asked) over one cache's buffers: a new static
+    cache (another batch size, a grown cache, rows dropped) drops them all and captures anew, and so does a new mask
+    buffer, so a replay never writes into buffers that are gone. The output of a replay is overwritten by the next
+    one: read it before the next step."""
 
     def __init__(self, target, capture: bool | None = None):
         self._orig_mod = target  # where `infer.kv.cache_argument` looks for the model class
         self.capture = target.device.type == "cuda" if capture is None else capture
         if self.capture and target.device.type != "cuda":
             raise ValueError(f"a CUDA graph needs a CUDA target; this one is on {target.device}")
-        self._graphs: dict[tuple, _Graph] = {}
+        self._graphs: dict[tuple, _Graph] = {}  # by block shape, mask buffers and hidden states asked
+        self._cache_key: tuple | None = None  # the KV buffers and counters the graphs were captured over
         self._pool = None  # one memory pool for all buckets: one step replays one graph, whose outputs it reads first
 
     @property
@@ -58,9 +60,17 @@ class StepGraphs:
         # input_ids, position_ids: [B, S]; cache_position: [S]; attention_mask: [B, 1, S, capacity] or one per
         # layer type; inputs: the cache (under the model's keyword), use_cache, output_hidden_states
         cache = next(v for k, v in inputs.items() if k in ("cache", "past_key_values"))
-        key = (tuple(input_ids.shape), _pointers(attention_mask), _pointers([layer.keys for layer in cache.layers
-                                                                              if getattr(layer, "is_initialized", False)]),
-               bool(inputs.get("output_hidden_states")))
+        # the KV buffers and write counters by the first layer's and the last one's: the cache replaces all or none
+        # of them (a new cache, a grown one, rows dropped), and a look at every layer would be a loop over layers
+        # each step
+        layers = cache.layers
+        buffers = [t for layer in (layers[0], layers[-1]) for t in (layer.keys, layer.values, layer.cumulative_length)] \
+            if layers and all(getattr(layer, "is_initialized", False) for layer in (layers[0], layers[-1])) else []
+        cache_key = _pointers(buffers)
+        if cache_key != self._cache_key:  # graphs over another cache's buffers never replay again: free them
+            self._graphs.clear()
+            self._cache_key = cache_key
+        key = (tuple(input_ids.shape), _pointers(attention_mask), bool(inputs.get("output_hidden_states")))
         graph = self._graphs.get(key)
         if graph is None:
             graph = self._graphs[key] = _Graph(input_ids.clone(), position_ids.clone(), cache_position.clone())
