@@ -155,17 +155,20 @@ def accept_drawn(tree: DraftTree, probs: torch.Tensor, ancestors: torch.Tensor, 
     uniform, by the inverse of its cumulative distribution as `sample` does. The kept path is then the one whose
     every node drafted the token its parent sampled, found as greedy acceptance finds its path. Once the lengths are
     read, `rewind` puts back the draws past the path, so at batch 1 the generator ends where the walk leaves it and a
-    seeded sample is the one without drafts; at several rows each row draws its own uniforms, and the sample,
-    still the target's distribution, is another than the walk's. probs: [B, N, V]; depth: [B, N]"""
+    seeded sample is the one without drafts; at several rows the uniforms are drawn at once and none put back, and
+    the sample, still the target's distribution, is another than the walk's. probs: [B, N, V]; depth: [B, N]"""
     b, n, v = probs.shape
     gen = generator if generator is not None else _default_generator(probs.device)
-    states, draws = [], []
-    for _ in range(b):
+    states = []
+    if b == 1:  # the walk's own draws, one by one, each state kept (a host copy, no read of the device) to rewind to
+        draws = []
         for _ in range(deepest + 1):
-            states.append(gen.get_state())  # a host copy of the generator's own state: no read of the device
+            states.append(gen.get_state())
             draws.append(torch.rand((1, 1), generator=gen, dtype=torch.float64, device=probs.device))
-    states.append(gen.get_state())
-    u = torch.cat(draws).view(b, deepest + 1)  # [B, D + 1]
+        states.append(gen.get_state())
+        u = torch.cat(draws, dim=1)  # [1, D + 1]
+    else:  # no rewind at several rows: one draw for all
+        u = torch.rand((b, deepest + 1), generator=gen, dtype=torch.float64, device=probs.device)
     cdf = probs.double().cumsum(-1)  # [B, N, V]
     total = cdf[..., -1:]
     token = torch.searchsorted(cdf, u.gather(1, depth.clamp(max=deepest))[..., None] * total, right=True)[..., 0]
