@@ -8,9 +8,11 @@ own multi-CPU launch needs MPI), DeepSpeed ZeRO-2/3 and bf16/fp16 on GPUs throug
 files in configs/. Every field is documented in train/config.py.
 
 The loop: validate config and data, build the drafter, prepare features (online, or an offline cache),
-then repeat {batch -> target features -> objective -> optimizer step}, evaluating on the held-out split
-and checkpointing every N steps; a checkpoint holds model, optimizer, scheduler, RNG, data position,
-history and counters, so `--resume` continues exactly where a killed run stopped.
+then repeat {batch (one sample a row, or packed rows: train/packing.py) -> target features -> objective ->
+optimizer step}, evaluating on the held-out split (the drafter with the best simulated acceptance kept in
+<output_dir>/best, the run ended early when it stops rising, if asked) and checkpointing every N steps; a
+checkpoint holds model, optimizer, scheduler, RNG, data position, history and counters, so `--resume`
+continues exactly where a killed run stopped.
 
 Runs are never lost or mixed: a new run in an output_dir that holds one is refused unless `--resume` or
 `--overwrite`, and `--overwrite` moves the old run aside only once the new run's data and target have loaded,
