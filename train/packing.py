@@ -88,7 +88,7 @@ def mixed_samples(count: int, shortest: int, longest: int, vocab: int, seed: int
     return out
 
 
-def throughput(drafter_kind: str = "eagle3", batch_size: int = 16, max_length: int = 1024, batches: int = 4,
+def throughput(drafter_kind: str, batch_size: int = 16, max_length: int = 1024, batches: int = 4,
                hidden_size: int = 256, layers: int = 4, seed: int = 0) -> dict:
     """Trained tokens (non-padding) per second of one training step (the frozen target's forward, the
     objective's forward and backward, an optimizer step), packed and one sample per row, on the same
