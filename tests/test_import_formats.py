@@ -425,3 +425,42 @@ def test_medusa_config_undercounting_its_heads_warns(tmp_path):
         model = heads.load(tmp_path, target=target())
     assert model.config.num_heads == 3
     assert any("says 2 heads, its weights hold 3" in str(w.message) for w in caught)
+
+
+def test_specforge_llama3_rope_scaling_is_the_drafters_rope(tmp_path):
+    """Llama-3.1 drafters carry `rope_scaling` of type llama3 (SpecForge's configs do): the imported layer rotates by
+    the frequencies transformers computes for that scaling, not the unscaled ones, and generation stays exact."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    t = target()
+    write_specforge(tmp_path, t)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    scaling = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+               "original_max_position_embeddings": 1024, "rope_type": "llama3"}
+    config.update(rope_theta=500000.0, rope_scaling=scaling)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = heads.load(tmp_path, target=t)
+    layer = LlamaConfig(hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+                        head_dim=config["head_dim"], max_position_embeddings=config["max_position_embeddings"],
+                        rope_parameters={**scaling, "rope_theta": 500000.0})
+    unscaled = LlamaConfig(hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+                           head_dim=config["head_dim"], rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    expected, plain = LlamaRotaryEmbedding(layer).inv_freq, LlamaRotaryEmbedding(unscaled).inv_freq
+    assert not torch.allclose(expected, plain)  # the scaling changes some frequencies at these sizes
+    torch.testing.assert_close(model.rotary_emb.inv_freq, expected)
+    reference = t.generate(PROMPT, do_sample=False, max_new_tokens=16, eos_token_id=None, pad_token_id=0)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path), target=t)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=16, eos_token_id=[]), reference)
+
+
+def test_unknown_rope_scaling_is_refused_by_name(tmp_path):
+    t = target()
+    write_specforge(tmp_path, t)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("rope_parameters", None)
+    config.update(rope_theta=500000.0, rope_scaling={"rope_type": "spiral", "factor": 2.0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="RoPE scaling 'spiral' is not one transformers computes"):
+        heads.load(tmp_path, target=t)

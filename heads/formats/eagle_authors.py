@@ -76,17 +76,22 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
 
 
 def llama_rope(config: dict, what: str) -> dict:
-    """The RoPE of a Llama-family drafter config, as transformers' `rope_parameters` (default or linear scaling;
-    the others are refused rather than guessed)."""
+    """The RoPE of a Llama-family drafter config as transformers' `rope_parameters`: unscaled, or scaled by any
+    kind transformers computes (`llama3` in the Llama-3.1 drafters, `linear`, `yarn`, ...), with the scaling's own
+    fields; a kind transformers does not know is refused rather than guessed."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     rope = dict(config.get("rope_parameters") or {})
-    scaling = config.get("rope_scaling") or {}
+    scaling = {k: v for k, v in (config.get("rope_scaling") or {}).items() if k != "type"}
     theta = float(rope.get("rope_theta") or config.get("rope_theta") or 10000.0)
-    kind = rope.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    kind = rope.get("rope_type") or scaling.get("rope_type") or (config.get("rope_scaling") or {}).get("type") \
+        or "default"
     if kind == "default":
         return {"rope_type": "default", "rope_theta": theta}
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(rope.get("factor") or scaling["factor"]), "rope_theta": theta}
-    raise ValueError(f"{what}: RoPE scaling {kind!r} is not supported for imported drafters (default and linear are)")
+    if kind not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"{what}: RoPE scaling {kind!r} is not one transformers computes "
+                         f"({', '.join(['default', *ROPE_INIT_FUNCTIONS])})")
+    return {**scaling, **rope, "rope_type": kind, "rope_theta": theta}
 
 
 def llama_eagle3(config: dict, tensors: dict[str, torch.Tensor], *, what: str, target, feature_layers: list[int],
