@@ -7,6 +7,13 @@ target tokenizer's own chat template. Nothing is dropped or guessed silently: a 
 role outside ROLES (ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message
 without text are errors that name the line or the row.
 
+OpenAI rows may use tools: assistant `tool_calls` (a turn that only calls tools has no text), tool results
+with `tool_call_id`/`name`, and a `tools` column of function schemas, which the chat template is given. The
+calls the template renders inside an assistant turn are the assistant's tokens like its text (the target
+writes them, so the drafter learns to draft them); the tool results are prompt. A template that renders
+a turn the same with and without its tool_calls would train on replies with the calls missing, and is
+refused.
+
 Which tokens are the assistant's is found without knowing the template: for every assistant turn i the
 template renders the conversation up to turn i with the generation prompt (everything before the
 reply) and up to and including turn i (everything through the reply). Both renderings must be prefixes
@@ -22,6 +29,7 @@ import gzip
 import hashlib
 import json
 import random
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +42,8 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "system": "system"}
 # roles of the OpenAI messages format; only assistant turns are trained, the rest is context for the template
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# OpenAI tool-use fields kept with a message (besides role and content) and handed to the chat template
+TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
 LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
@@ -124,9 +134,54 @@ def to_messages(row: dict, fmt: str, where: str = "a row") -> list[dict]:
                             "'conversations' of from/value)")
                 raise ValueError(f"{where}: message {i} has role {m.get('role')!r}; roles must be one of "
                                  f"{list(ROLES)}{hint}")
-            messages.append({"role": m["role"], "content": m.get("content")})
+            message = {"role": m["role"], "content": m.get("content")}
+            message.update({k: drop_nulls(m[k]) for k in TOOL_FIELDS if m.get(k) is not None})
+            if "tool_calls" in message:
+                check_tool_calls(message, f"{where}: message {i} ({m['role']})")
+                if not message["tool_calls"]:  # some exports write [] on every assistant turn: no call made
+                    del message["tool_calls"]
+            messages.append(message)
         return messages
     raise ValueError(f"unknown data format {fmt!r}")
+
+
+def drop_nulls(value):
+    """`datasets` reads JSON rows into one Arrow schema, so a key one row has and another lacks comes back as
+    None in the other (a tool parameter of another tool's schema); drop them, or templates would render them."""
+    if isinstance(value, dict):
+        return {k: drop_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [drop_nulls(v) for v in value]
+    return value
+
+
+def check_tool_calls(message: dict, where: str) -> None:
+    """OpenAI's shape, which chat templates read: a list of {"type": "function", "function": {"name",
+    "arguments"}}, arguments a JSON string (OpenAI) or an object (transformers' examples). `type` may be left
+    out, as many converted datasets do; templates read only `function`."""
+    calls = message["tool_calls"]
+    fix = ('tool_calls must be a list of {"type": "function", "function": {"name": ..., "arguments": ...}} '
+           "objects (arguments a JSON string or an object); fix or drop the row")
+    if message["role"] != "assistant":
+        raise ValueError(f"{where} has tool_calls, but only assistant turns call tools; move them to the "
+                         "assistant turn or drop the row")
+    if not isinstance(calls, list):
+        raise ValueError(f"{where} has tool_calls {calls!r:.80}, not a list; {fix}")
+    for k, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not (isinstance(function, dict) and call.get("type", "function") == "function"
+                and isinstance(function.get("name"), str) and function["name"]
+                and isinstance(function.get("arguments"), (str, dict))):
+            raise ValueError(f"{where}: tool call {k} is {call!r:.120}; {fix}")
+
+
+def read_tools(row: dict, where: str) -> list | None:
+    """The row's `tools` column (function schemas for the chat template), or None where it has none."""
+    tools = drop_nulls(row.get("tools")) or None
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise ValueError(f"{where}: 'tools' must be a list of function schemas (objects), got {tools!r:.80}; a "
+                         "JSON string must be parsed into the list first")
+    return tools
 
 
 def _turns(row: dict, column: str, where: str) -> list[dict]:
@@ -137,8 +192,11 @@ def _turns(row: dict, column: str, where: str) -> list[dict]:
 
 
 def check_contents(messages: list[dict], where: str) -> None:
-    """Every message must hold text: a null reply would train as an empty one."""
+    """Every message must hold text: a null reply would train as an empty one. An assistant turn that calls
+    tools is the exception: its calls are the reply, and OpenAI data gives it no text."""
     for i, m in enumerate(messages):
+        if m["content"] is None and m.get("tool_calls"):
+            continue
         if not isinstance(m["content"], str):
             fix = ("fill in the reply, drop the row, or regenerate the replies with train.regenerate"
                    if m["role"] == "assistant" else "fill it in or drop the row")
@@ -152,39 +210,62 @@ def check_chat_template(tokenizer) -> None:
             "tokenizer.chat_template (a Jinja string) before training on conversations")
 
 
-def _render(tokenizer, messages, generation_prompt: bool) -> str:
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+def _render(tokenizer, messages, generation_prompt: bool, tools: list | None = None) -> str:
+    return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                         add_generation_prompt=generation_prompt)
 
 
-def assistant_char_spans(tokenizer, messages: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The full rendering and the [start, end) character span of every assistant reply in it."""
-    full = _render(tokenizer, messages, False)
+def _for_template(messages: list[dict]) -> list[dict]:
+    """A turn that only calls tools with empty text, not None: a template that prints content unguarded would
+    write the word "None" into it."""
+    return [{**m, "content": ""} if m["content"] is None and m.get("tool_calls") else m for m in messages]
+
+
+def assistant_char_spans(tokenizer, messages: list[dict],
+                         tools: list | None = None) -> tuple[str, list[tuple[int, int]]]:
+    """The full rendering and the [start, end) character span of every assistant reply in it (its text and
+    the tool calls the template renders in the turn)."""
+    messages = _for_template(messages)
+    full = _render(tokenizer, messages, False, tools)
     spans = []
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
         if i == 0:
             raise ValueError("a conversation starts with an assistant turn; it needs a prompt before it")
-        before = _render(tokenizer, messages[:i], True)
-        through = _render(tokenizer, messages[: i + 1], False)
+        before = _render(tokenizer, messages[:i], True, tools)
+        through = _render(tokenizer, messages[: i + 1], False, tools)
         if not (full.startswith(before) and full.startswith(through) and len(before) <= len(through)):
             raise ValueError(
                 "the chat template does not render conversations prefix-stably (rendering the first turns "
                 "is not a prefix of rendering all of them), so assistant tokens cannot be located")
+        if message.get("tool_calls"):
+            # One more rendering per tool-call turn: sound (equal text means the calls are not in it) and cheap
+            # next to the two above.
+            without = {k: v for k, v in message.items() if k != "tool_calls"}
+            if _render(tokenizer, [*messages[:i], without], False, tools) == through:
+                raise ValueError(
+                    f"the chat template ignores tool_calls (message {i} renders the same with and without its "
+                    f"calls to {[c['function']['name'] for c in message['tool_calls']]}), so the drafter would "
+                    "train on replies with the calls missing; give the tokenizer a chat template that renders "
+                    "tool calls (the target's own tool-use template), or drop the tool-call turns")
         # Whitespace the template puts after the end-of-turn marker is never generated by the model.
         end = len(through.rstrip())
         spans.append((len(before), max(end, len(before))))
     return full, spans
 
 
-def tokenize_conversation(tokenizer, messages: list[dict], last_reply_cut: bool = False) -> tuple[list[int], list[int]]:
+def tokenize_conversation(tokenizer, messages: list[dict], last_reply_cut: bool = False,
+                          tools: list | None = None) -> tuple[list[int], list[int]]:
     """Token ids of the rendered conversation and a 0/1 mask that is 1 on assistant tokens.
 
     `last_reply_cut`: the last reply was cut by a token limit (`"finished": false` from train.regenerate),
-    so the end-of-turn marker after it is the template's, not the model's, and is not trained.
+    so the end-of-turn marker after it is the template's, not the model's, and is not trained. A tool call
+    comes from the data, never from a cut generation, so a last turn with tool_calls is trained whole.
+    `tools`: function schemas handed to the chat template.
     """
-    full, spans = assistant_char_spans(tokenizer, messages)
-    if last_reply_cut and spans and messages[-1]["role"] == "assistant":
+    full, spans = assistant_char_spans(tokenizer, messages, tools)
+    if last_reply_cut and spans and messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls"):
         start, end = spans[-1]
         content = messages[-1]["content"]
         if full[start:end].startswith(content):
@@ -219,8 +300,9 @@ class Sample:
 @dataclass
 class Conversation:
     id: str
-    messages: list[dict]
+    messages: list[dict]  # {"role", "content"} and, in OpenAI tool-use rows, tool_calls / tool_call_id / name
     last_reply_cut: bool  # "finished": false from train.regenerate
+    tools: list | None = None  # function schemas from the row's `tools` column, given to the chat template
 
 
 def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], DataStats]:
@@ -242,7 +324,8 @@ def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], 
         if messages[0]["role"] == "assistant":
             raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt "
                              "before it")
-        out.append(Conversation(str(row.get("id", index)), messages, row.get("finished") is False))
+        tools = read_tools(row, where) if fmt == "messages" else None
+        out.append(Conversation(str(row.get("id", index)), messages, row.get("finished") is False, tools))
     if stats.no_assistant == stats.rows:
         raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
     return out, stats
@@ -253,7 +336,9 @@ def conversations_fingerprint(conversations: list[Conversation]) -> str:
     and cut flag. A data file (or hub dataset) changed in place changes it; a resume compares it."""
     h = hashlib.sha256()
     for c in conversations:
-        h.update(json.dumps([c.id, c.messages, c.last_reply_cut], ensure_ascii=False, sort_keys=True).encode())
+        # tools only where a row has them, so that data without tools keeps the fingerprint it had before
+        item = [c.id, c.messages, c.last_reply_cut] + ([c.tools] if c.tools else [])
+        h.update(json.dumps(item, ensure_ascii=False, sort_keys=True).encode())
         h.update(b"\0")
     return f"{len(conversations)} conversations, sha256 {h.hexdigest()[:16]}"
 
@@ -271,9 +356,13 @@ def tokenize_conversations(conversations: list[Conversation], stats: DataStats, 
                            max_length: int) -> tuple[list[Sample], DataStats]:
     """Tokenize; truncate to max_length; drop samples left without assistant tokens."""
     check_chat_template(tokenizer)
+    check_template_reads_tools(tokenizer, conversations)
     samples = []
     for c in conversations:
-        ids, mask = tokenize_conversation(tokenizer, c.messages, last_reply_cut=c.last_reply_cut)
+        try:
+            ids, mask = tokenize_conversation(tokenizer, c.messages, last_reply_cut=c.last_reply_cut, tools=c.tools)
+        except ValueError as err:
+            raise ValueError(f"conversation {c.id!r}: {err}") from err
         if len(ids) > max_length:
             stats.truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
@@ -288,6 +377,20 @@ def tokenize_conversations(conversations: list[Conversation], stats: DataStats, 
             f"every sample lost all assistant tokens when truncated to max_length={max_length} "
             f"({stats.dropped_after_truncation} dropped); raise max_length")
     return samples, stats
+
+
+def check_template_reads_tools(tokenizer, conversations: list[Conversation]) -> None:
+    """Warn once where the chat template renders the first conversation with tools the same without them: the
+    drafter then trains without the schemas the target sees when serving. A warning, not an error: the
+    schemas are prompt, not trained text, and the replies and calls are still trained as written."""
+    c = next((c for c in conversations if c.tools), None)
+    if c is None:
+        return
+    messages = _for_template(c.messages)
+    if _render(tokenizer, messages, False, c.tools) == _render(tokenizer, messages, False, None):
+        warnings.warn(f"the chat template ignores the rows' `tools` (conversation {c.id!r} renders the same "
+                      "without them), so training prompts lack the function schemas; give the tokenizer a chat "
+                      "template that renders tools (the target's own tool-use template)", stacklevel=3)
 
 
 def build_samples(rows, tokenizer, max_length: int, max_samples: int = 0) -> tuple[list[Sample], DataStats]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .data import ROLES, detect_format, row_name, to_messages
+from .data import detect_format, read_tools, row_name, to_messages
 
 
 @dataclass
@@ -66,37 +66,14 @@ def _ultrachat(row: dict, index: int, where: str) -> Conversation:
     return Conversation(_id(row, index, "id"), [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)])
 
 
-TOOL_FIELDS = ("tool_calls", "tool_call_id", "name")
-
-
-def _drop_nulls(value):
-    """`datasets` reads JSON rows into one Arrow schema, so a key one row has and another lacks comes back as
-    None in the other (a tool parameter of another tool's schema); drop them, or templates would render them."""
-    if isinstance(value, dict):
-        return {k: _drop_nulls(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_nulls(v) for v in value]
-    return value
-
-
 def _openai(row: dict, index: int, where: str) -> Conversation:
-    turns = row["messages"]
-    if not isinstance(turns, list) or not all(isinstance(t, dict) for t in turns):
-        raise ValueError(f"{where}: 'messages' must be a list of objects, got {turns!r:.80}")
-    messages = []
-    for i, m in enumerate(turns):
-        if m.get("role") not in ROLES:
-            raise ValueError(f"{where}: message {i} has role {m.get('role')!r}; roles must be one of {list(ROLES)}")
-        message = {"role": m["role"], "content": m.get("content")}
-        message.update({k: _drop_nulls(m[k]) for k in TOOL_FIELDS if m.get(k) is not None})
-        if m["role"] == "tool" and not isinstance(message["content"], str):
+    # train.data reads the tool fields as training does (calls checked, Arrow's merged-schema nulls dropped)
+    messages = to_messages(row, "messages", where)
+    for i, message in enumerate(messages):
+        if message["role"] == "tool" and not isinstance(message["content"], str):
             raise ValueError(f"{where}: message {i} (tool) has content {message['content']!r:.60}, not text; a tool "
                              "result is the prompt of the reply after it")
-        messages.append(message)
-    tools = _drop_nulls(row.get("tools")) or None
-    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
-        raise ValueError(f"{where}: 'tools' must be a list of function schemas (objects), got {tools!r:.80}")
-    return Conversation(_id(row, index, "id"), messages, tools)
+    return Conversation(_id(row, index, "id"), messages, read_tools(row, where))
 
 
 PRESETS = {p.name: p for p in (
@@ -132,7 +109,8 @@ def read_conversations(rows, preset: str = "auto") -> Iterator[Conversation]:
     for index, row in enumerate(rows):
         where = row_name(index, row)
         if preset == "auto":
-            yield Conversation(_id(row, index, "id"), to_messages(row, fmt, where))
+            tools = read_tools(row, where) if fmt == "messages" else None  # as training reads them
+            yield Conversation(_id(row, index, "id"), to_messages(row, fmt, where), tools)
         else:
             yield PRESETS[preset].read(row, index, where)
 
