@@ -135,3 +135,19 @@ def test_bad_input(tmp_path, target):
         regenerate(model, tok, rows, tmp_path / "o.jsonl", samples=2, progress=False)
     with pytest.raises(ValueError, match="samples must be >= 1"):
         regenerate(model, tok, rows, tmp_path / "o.jsonl", samples=0, temperature=1.0, progress=False)
+
+
+def test_sharegpt_output_refuses_tool_turns_before_answering(tmp_path, target):
+    """ShareGPT has no tool role: a messages row holding one is refused before any answer is written."""
+    import json
+
+    model, tok = target
+    rows = [{"id": "t0", "messages": [{"role": "user", "content": "weather?"},
+                                      {"role": "tool", "content": "sunny", "tool_call_id": "c1"},
+                                      {"role": "assistant", "content": "old"}]}]
+    data = tmp_path / "m.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "out.jsonl"
+    with pytest.raises(ValueError, match=r"conversation 't0': message 1 has role 'tool'.*--format messages"):
+        regenerate(model, tok, load_rows(str(data)), out, max_new_tokens=4, out_format="sharegpt", progress=False)
+    assert not out.exists() or out.read_text() == ""

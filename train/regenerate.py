@@ -214,10 +214,23 @@ def check_generation(*, max_new_tokens: int, batch_size: int, temperature: float
         raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
 
 
+SHAREGPT_NAMES = {"user": "human", "assistant": "gpt", "system": "system"}
+
+
+def check_sharegpt_fits(todo: list) -> None:
+    """ShareGPT records have no tool roles, tool calls or developer turns: a conversation holding one is refused
+    before any answer is generated, not when its answer is written."""
+    for id_, plan, _tools in todo:
+        for i, m in enumerate(plan):
+            if m["role"] not in SHAREGPT_NAMES or m.get("tool_calls"):
+                what = "tool calls" if m.get("tool_calls") else f"role {m['role']!r}"
+                raise ValueError(f"conversation {id_!r}: message {i} has {what}, which --format sharegpt cannot "
+                                 "write; use --format messages (the OpenAI layout keeps them)")
+
+
 def to_record(id_: str, messages: list[dict], fmt: str, finished: bool, tools: list | None = None) -> dict:
     if fmt == "sharegpt":
-        names = {"user": "human", "assistant": "gpt", "system": "system"}
-        turns = [{"from": names[m["role"]], "value": m["content"]} for m in messages]
+        turns = [{"from": SHAREGPT_NAMES[m["role"]], "value": m["content"]} for m in messages]
         return {"id": id_, "conversations": turns, "finished": finished}
     record = {"id": id_, "messages": messages}
     if tools:
@@ -318,6 +331,8 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
         samples=samples, preset=preset, enable_thinking=enable_thinking, reasoning=reasoning)})
     done = read_done_ids(out)
     todo, counts = plan_work(rows, preset, samples, done, max_samples)
+    if out_format == "sharegpt":
+        check_sharegpt_fits(todo)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Similar prompt lengths in a batch waste less padding.
