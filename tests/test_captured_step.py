@@ -55,7 +55,7 @@ def test_captured_step_is_greedy_exact(arch_name, drafter, batch):
     assert model.last_stats["verify_forward"] == "static buffers"
     graphs = model._verify_forward
     assert isinstance(graphs, StepGraphs) and graphs._graphs
-    assert {key[0][1] for key in graphs._graphs} <= set(VERIFY_BUCKETS)  # one set of buffers per bucket
+    assert {g.inputs["input_ids"].shape[1] for g in graphs._graphs.values()} <= set(VERIFY_BUCKETS)  # one set of buffers per bucket
 
 
 def test_the_verify_forward_runs_on_the_kept_buffers():
@@ -70,7 +70,7 @@ def test_the_verify_forward_runs_on_the_kept_buffers():
     for _ in range(2):
         assert torch.equal(model.generate(ids, max_new_tokens=20), target.generate(ids, max_new_tokens=20,
                                                                                     do_sample=False))
-    kept = {g.input_ids.data_ptr() for g in model._verify_forward._graphs.values()}
+    kept = {g.inputs["input_ids"].data_ptr() for g in model._verify_forward._graphs.values()}
     verify = [ptr for ptr in seen if ptr in kept]
     assert len(verify) == 2 * (model.last_stats["target_forwards"] - 1)  # every forward but the prefills
     assert len(kept) < len(verify)

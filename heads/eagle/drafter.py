@@ -18,6 +18,12 @@ over the pair (token x_{t+1}, feature f_t) at position t:
   invalid, and drafting ends when every row has stopped). Only the tree changes, never the output.
 
 Drafts are deterministic (top-k), so siblings are distinct and `DraftTree.q` is None.
+
+Under the engine's captured step (`capture_forwards`, on a GPU), the drafter's cache is static (preallocated,
+kept between calls while the batch size holds, grown by whole steps only when a step would not fit), and every
+forward after the prompt's runs through the engine's seam for captured forwards (`infer.cuda.StepGraphs`): a
+draft depth's forward has a fixed width (`sync_free` trees drop no node), and observe's block of accepted tokens
+is padded to a power of two (`observe_bucket`), so each is the replay of one graph per (input shapes, block size).
 """
 
 from __future__ import annotations
@@ -31,6 +37,15 @@ from infer.kv import KVState, prompt_tree
 from infer.tree import DraftTree, tree_from_paths
 
 from ..base import HeadDrafter
+
+# A static drafter cache grows in steps of this many slots (rounded up), as the engine sizes the target's.
+STATIC_STEP = 256
+
+
+def observe_bucket(width: int) -> int:
+    """The padded width of a captured observe block of `width` accepted tokens: the next power of two, so the
+    few widths a step commits (1 to depth + 1) share a handful of graphs."""
+    return 1 << max(width - 1, 0).bit_length()
 
 
 class StaticLevels:
@@ -75,6 +90,15 @@ class EagleDrafter(HeadDrafter):
         self._lean_rows: int | None = None
         self._int8: linear.PackCache | None = None  # the lean forward's int8 copies of the weights, kept here
         self.net = model  # the model, or its lean forward for the current call (`lean_forwards`)
+        self._captured = None  # the engine's captured forwards of the model (`capture_forwards`), or None
+        self._static_kv: KVState | None = None  # the static cache kept between calls under capture
+
+    def capture_forwards(self, make) -> None:
+        """From the next call on, draft over a static cache and run every forward after the prompt's through
+        `make(model)` (the engine's `infer.cuda.StepGraphs`: kept input buffers per shape, captured as CUDA graphs
+        on a GPU) instead of the model or its lean forward (a CPU's, which a capture would not take)."""
+        self._captured = make(self.model)
+        self._lean_rows = None
 
     def lean_forwards(self, stream_rows: int | None, int8: bool = True) -> None:
         """From the next call on, run the model through its `lean_forward` where it has one and it can run
@@ -87,7 +111,9 @@ class EagleDrafter(HeadDrafter):
 
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         super().bind(target, sampling, batch_size, generator)
-        self.kv = KVState(batch_size, target.get_input_embeddings().weight.device, config=None)
+        device = target.get_input_embeddings().weight.device
+        self.kv = KVState(batch_size, device, config=None) if self._captured is None else \
+            self._static_cache(batch_size, device)
         self.root = self.last_hidden = self.last_logits = None
         # what runs the model this call: made per call, so a hook or an adapted layer since the last one counts
         self.net = self.model
@@ -95,14 +121,41 @@ class EagleDrafter(HeadDrafter):
         if self._lean_rows is not None and make_lean is not None and not lean_forward.user_hooks(self.model):
             self.net = make_lean(self._lean_rows, self._int8) or self.model
 
+    def _static_cache(self, batch_size: int, device: torch.device) -> KVState:
+        """The captured path's static cache: the last call's, emptied, while batch size and device are the same
+        (its buffers' addresses, and so the graphs captured over them, stay valid), else a new one."""
+        kv = self._static_kv
+        if kv is not None and (kv.batch_size, kv.length.device) == (batch_size, device):
+            kv.reset()
+        else:
+            kv = self._static_kv = KVState(batch_size, device, config=None, capacity=STATIC_STEP)
+        return kv
+
+    def _make_room(self, width: int) -> None:
+        """Grow a static cache, before a step, to hold the observe block of `width` slots and every slot the
+        next propose drafts: no forward of the step then meets a full cache. A grown cache has new buffers, so its
+        graphs are captured anew (doubling: a few times per context)."""
+        need = width + sum(self.pass_rows())
+        if self.kv.room() < need:
+            capacity = max(2 * self.kv.capacity, self.kv.size + need)
+            self.kv.grow(-(-capacity // STATIC_STEP) * STATIC_STEP)
+
     @torch.no_grad()
     def observe(self, step) -> None:
         # step.tokens, step.valid: [B, A]; step.hidden: one [B, A, D] per feature layer
-        features = self.model.fuse_features(step.hidden)
-        depth, ancestors, valid = prompt_tree(step.valid)  # one causal block over the valid slots
+        features, tokens, valid = self.model.fuse_features(step.hidden), step.following_tokens(), step.valid
+        net = self.net
+        if self._captured is not None:
+            prompt = self.kv.size == 0  # the prompt's width is any: it runs uncaptured (and makes the layers)
+            width = valid.shape[1] if prompt else observe_bucket(valid.shape[1])
+            self._make_room(width)
+            if not prompt:
+                tokens, features, valid = _pad_block(width, tokens, features, valid)
+                net = self._captured
+        depth, ancestors, node_valid = prompt_tree(valid)  # one causal block over the valid slots
         start = self.kv.size
-        hidden, logits = self.kv.forward_tree(self.net, depth, ancestors, valid, step.following_tokens(), features)
-        self.kv.commit_block(start, valid)
+        hidden, logits = self.kv.forward_tree(net, depth, ancestors, node_valid, tokens, features)
+        self.kv.commit_block(start, step.valid)  # the padding's slots, past the accepted ones, are dropped
         last = step.last_valid_index().clamp(min=0)
         rows = torch.arange(last.shape[0], device=last.device)
         self.last_hidden, self.last_logits = hidden[rows, last], logits[rows, last]  # [B, D], [B, V']
@@ -203,7 +256,8 @@ class EagleDrafter(HeadDrafter):
         attend = torch.zeros(b, f, kv.size + f, dtype=torch.bool, device=tokens.device)
         attend[:, :, : kv.size] = kv.valid[:, None, :]
         attend.scatter_(2, ancestors, True)
-        return kv.forward(self.net, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
+        net = self.net if self._captured is None else self._captured
+        return kv.forward(net, query_pos, attend, torch.zeros_like(tokens, dtype=torch.bool), tokens, hidden)
 
     def _select(self, tokens, parents, scores, valid) -> DraftTree:
         """Static: every node. Dynamic: the root and the `total_tokens` best valid nodes by cumulative
@@ -219,6 +273,19 @@ class EagleDrafter(HeadDrafter):
         self.kv.select_rows(rows)
         self.root, self.last_hidden, self.last_logits = self.root[rows], self.last_hidden[rows], \
             self.last_logits[rows]
+
+
+def _pad_block(width: int, tokens, features, valid):
+    """An observe block [B, A] padded to `width` slots: token 0, zero features, invalid (so they see only
+    themselves, and `commit_block` of the unpadded width drops them)."""
+    # tokens, valid: [B, A]; features: [B, A, D']
+    b, a = tokens.shape
+    if width == a:
+        return tokens, features, valid
+    padded = (tokens.new_zeros(b, width), features.new_zeros(b, width, features.shape[2]), valid.new_zeros(b, width))
+    for full, part in zip(padded, (tokens, features, valid), strict=True):
+        full[:, :a] = part
+    return padded
 
 
 def keep_best(tokens, parents, scores, total: int, valid=None, check: bool = True) -> DraftTree:

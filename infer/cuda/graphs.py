@@ -28,38 +28,44 @@ WARMUP_RUNS = 2
 class _Graph:
     """One bucket's kept input buffers, and its graph (None: run uncaptured) with the outputs it writes."""
 
-    input_ids: torch.Tensor  # [B, S]
-    position_ids: torch.Tensor  # [B, S]
-    cache_position: torch.Tensor  # [S]
+    args: tuple  # the forward's positional tensors (a drafter's token ids and hidden states), each [B, S, ...]
+    inputs: dict  # its tensor keywords: input_ids, position_ids [B, S]; cache_position [S]
     graph: torch.cuda.CUDAGraph | None = None
     output: object = None  # the model output whose tensors the graph overwrites at every replay
 
 
 class StepGraphs:
-    """The target's forward for verify blocks, captured per block shape (`capture`, default: on a CUDA device).
+    """A model's forward over a static KV cache, captured per block shape (`capture`, default: on a CUDA device):
+    the target's verify forward, or an EAGLE drafter's forwards (`heads.eagle.drafter.EagleDrafter`).
 
-    A graph is kept per (block shape, mask buffers, hidden states asked) over one cache's buffers: a new static
-    cache (another batch size, a grown cache, rows dropped) drops them all and captures anew, and so does a new mask
-    buffer, so a replay never writes into buffers that are gone. The output of a replay is overwritten by the next
-    one: read it before the next step."""
+    Called as the model is by `infer.kv.KVState.forward`: positional tensors, the attention mask (a kept buffer per
+    block size), the cache under the model's keyword, and tensor keywords (token ids, position ids, cache
+    positions), each copied into a buffer kept per key. A graph is kept per (input shapes, mask buffers, other
+    keywords such as the hidden states asked) over one cache's buffers: a new static cache (another batch size, a
+    grown cache, rows dropped) drops them all and captures anew, and so does a new mask buffer, so a replay never
+    writes into buffers that are gone. The output of a replay is overwritten by the next one of any of its graphs
+    (they share one memory pool): read it before the next forward."""
 
     def __init__(self, target, capture: bool | None = None):
         self._orig_mod = target  # where `infer.kv.cache_argument` looks for the model class
         self.capture = target.device.type == "cuda" if capture is None else capture
         if self.capture and target.device.type != "cuda":
             raise ValueError(f"a CUDA graph needs a CUDA target; this one is on {target.device}")
-        self._graphs: dict[tuple, _Graph] = {}  # by block shape, mask buffers and hidden states asked
+        self._graphs: dict[tuple, _Graph] = {}  # by input shapes, mask buffers and other keywords
         self._cache_key: tuple | None = None  # the KV buffers and counters the graphs were captured over
-        self._pool = None  # one memory pool for all buckets: one step replays one graph, whose outputs it reads first
+        self._pool = None  # one memory pool for all keys: one forward replays one graph, whose outputs it reads first
+        self.calls = 0  # forwards run through the kept buffers (replayed or not), for tests
 
     @property
     def dtype(self) -> torch.dtype:
         return self._orig_mod.dtype
 
-    def __call__(self, *, input_ids, attention_mask, position_ids, cache_position, **inputs):
-        # input_ids, position_ids: [B, S]; cache_position: [S]; attention_mask: [B, 1, S, capacity] or one per
-        # layer type; inputs: the cache (under the model's keyword), use_cache, output_hidden_states
-        cache = next(v for k, v in inputs.items() if k in ("cache", "past_key_values"))
+    def __call__(self, *args, attention_mask, **inputs):
+        # args: positional tensors [B, S, ...]; attention_mask: [B, 1, S, capacity] or one per layer type; inputs:
+        # the cache (under the model's keyword), tensor keywords (input_ids, position_ids [B, S], cache_position
+        # [S]) and plain ones (use_cache, output_hidden_states)
+        name = next(k for k in inputs if k in ("cache", "past_key_values"))
+        cache = inputs.pop(name)
         # the KV buffers and write counters by the first layer's and the last one's: the cache replaces all or none
         # of them (a new cache, a grown one, rows dropped), and a look at every layer would be a loop over layers
         # each step
@@ -70,25 +76,31 @@ class StepGraphs:
         if cache_key != self._cache_key:  # graphs over another cache's buffers never replay again: free them
             self._graphs.clear()
             self._cache_key = cache_key
-        key = (tuple(input_ids.shape), _pointers(attention_mask), bool(inputs.get("output_hidden_states")))
+        tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+        plain = tuple(sorted((k, v) for k, v in inputs.items() if k not in tensors))
+        key = (tuple((tuple(a.shape), a.dtype) for a in args), tuple((k, tuple(v.shape), v.dtype)
+                                                                    for k, v in sorted(tensors.items())),
+               _pointers(attention_mask), plain)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = _Graph(input_ids.clone(), position_ids.clone(), cache_position.clone())
+            graph = self._graphs[key] = _Graph(tuple(a.clone() for a in args),
+                                               {k: v.clone() for k, v in tensors.items()})
             if self.capture:
-                self._record(graph, attention_mask, cache, inputs)
-        graph.input_ids.copy_(input_ids)
-        graph.position_ids.copy_(position_ids)
-        graph.cache_position.copy_(cache_position)
+                self._record(graph, attention_mask, cache, name, dict(plain))
+        for kept, given in zip(graph.args, args, strict=True):
+            kept.copy_(given)
+        for k, given in tensors.items():
+            graph.inputs[k].copy_(given)
+        self.calls += 1
         if graph.graph is None:
-            return self._forward(graph, attention_mask, inputs)
+            return self._forward(graph, attention_mask, cache, name, dict(plain))
         graph.graph.replay()
         return graph.output
 
-    def _forward(self, graph: _Graph, attention_mask, inputs):
-        return self._orig_mod(input_ids=graph.input_ids, attention_mask=attention_mask,
-                              position_ids=graph.position_ids, cache_position=graph.cache_position, **inputs)
+    def _forward(self, graph: _Graph, attention_mask, cache, name: str, plain: dict):
+        return self._orig_mod(*graph.args, attention_mask=attention_mask, **{name: cache}, **graph.inputs, **plain)
 
-    def _record(self, graph: _Graph, attention_mask, cache, inputs) -> None:
+    def _record(self, graph: _Graph, attention_mask, cache, name: str, plain: dict) -> None:
         """Warm up on a side stream, then capture one forward. Both advance the layers' write counters and write
         the block's slots, which are uncommitted: the counters are put back, and the replay that follows writes
         the slots anew."""
@@ -98,7 +110,7 @@ class StepGraphs:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(WARMUP_RUNS):
-                self._forward(graph, attention_mask, inputs)
+                self._forward(graph, attention_mask, cache, name, plain)
                 for c, s in zip(counters, saved, strict=True):
                     c.copy_(s)
         torch.cuda.current_stream().wait_stream(stream)
@@ -106,7 +118,7 @@ class StepGraphs:
             self._pool = torch.cuda.graph_pool_handle()
         graph.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph.graph, pool=self._pool):
-            graph.output = self._forward(graph, attention_mask, inputs)
+            graph.output = self._forward(graph, attention_mask, cache, name, plain)
         for c, s in zip(counters, saved, strict=True):  # capture records the counters' advance without running it
             c.copy_(s)
 
