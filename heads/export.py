@@ -408,22 +408,9 @@ def import_dflash(path_or_id, target=None, **hub_kwargs) -> DFlashModel:
 
 
 def _read_mask_embedding(path_or_id, mask_token_id, target, **hub_kwargs) -> torch.Tensor:
-    path = cached_file(path_or_id, MASK_EMBEDDING_FILE, _raise_exceptions_for_missing_entries=False, **hub_kwargs)
-    if path is not None:
-        state = torch.load(path, weights_only=True)
-        if isinstance(state, dict):
-            if mask_token_id is not None and state.get("mask_token_id", mask_token_id) != mask_token_id:
-                raise ValueError(f"{path}: mask_token_id {state['mask_token_id']} differs from the config's "
-                                 f"dflash_config.mask_token_id {mask_token_id}")
-            state = state["embedding"]
-        return state.reshape(-1)
-    if mask_token_id is None:
-        raise ValueError(f"{path_or_id} has neither {MASK_EMBEDDING_FILE} nor dflash_config.mask_token_id: "
-                         "nothing says what its mask slots are")
-    if target is None or not hasattr(target, "get_input_embeddings"):
-        raise ValueError(f"{path_or_id} embeds its mask slots as token {mask_token_id} of the target's vocabulary "
-                         "(no mask_embedding.pt): pass target=<the target model> to read that embedding")
-    return target.get_input_embeddings().weight[int(mask_token_id)].detach().cpu().clone()
+    from .formats.dflash_zlab import mask_vector  # in the function: heads.formats imports this module
+
+    return mask_vector(path_or_id, f"DFlash checkpoint {path_or_id}", mask_token_id, target, **hub_kwargs)
 
 
 # ---- SGLang EAGLE-3 (SpecForge's output, SGLang's LlamaForCausalLMEagle3) -----------------------------------

@@ -90,12 +90,15 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> DFlashModel:
     if fc is not None and fc.shape == model.fc.weight.shape:  # their column blocks follow target_layer_ids' order
         blocks = dict(zip(read, fc.split(d, dim=1), strict=True))
         state["fc.weight"] = torch.cat([blocks[i] for i in model.feature_layers], dim=1)
-    state["mask_embed.weight"] = _mask_vector(path_or_id, what, dflash.get("mask_token_id"), target,
+    state["mask_embed.weight"] = mask_vector(path_or_id, what, dflash.get("mask_token_id"), target,
                                               **hub_kwargs).reshape(1, -1)
     return finish(load_strict(model, state, what), target)
 
 
-def _mask_vector(path_or_id, what: str, mask_token_id, target, **hub_kwargs) -> torch.Tensor:
+def mask_vector(path_or_id, what: str, mask_token_id, target, **hub_kwargs) -> torch.Tensor:
+    """The vector DFlash writes into its mask slots: `mask_embedding.pt` where the checkpoint has one (our
+    exports), else the target's embedding of `mask_token_id`, taken through the embedding module as z-lab's code
+    does (an embedding that scales inside, such as Gemma's, scales it too)."""
     path = resolve_file(path_or_id, MASK_FILE, **hub_kwargs)
     if path is not None:
         saved = torch.load(path, map_location="cpu", weights_only=True)
