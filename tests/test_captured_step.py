@@ -56,6 +56,8 @@ def test_captured_step_is_greedy_exact(arch_name, drafter, batch):
     graphs = model._verify_forward
     assert isinstance(graphs, StepGraphs) and graphs._graphs
     assert {g.inputs["input_ids"].shape[1] for g in graphs._graphs.values()} <= set(VERIFY_BUCKETS)  # one set of buffers per bucket
+    if drafter in ("eagle", "eagle3"):  # the drafter's forwards after the prompt's ran on the seam too
+        assert model.drafter._captured.calls > 0 and model.drafter._captured._graphs
 
 
 def test_the_verify_forward_runs_on_the_kept_buffers():
@@ -74,6 +76,50 @@ def test_the_verify_forward_runs_on_the_kept_buffers():
     verify = [ptr for ptr in seen if ptr in kept]
     assert len(verify) == 2 * (model.last_stats["target_forwards"] - 1)  # every forward but the prefills
     assert len(kept) < len(verify)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_drafter_forwards_run_on_the_kept_buffers(kind):
+    """Every drafter forward but the prompt's (one per call) enters the seam once and reads its inputs from the
+    buffers kept for its shape, not from the tensors it was given; its shapes are fixed: a few block widths (the
+    draft depths' frontier, observe's padded buckets), and every mask spans the whole static cache, whatever the
+    context's length. The cache and its graphs are kept from call to call, and the output is the target's."""
+    target = tiny_model("llama")
+    drafter = heads.build(kind, target)
+    model = captured(target, drafter)
+    seen = []  # (token ids' address, token ids' shape, mask's shape) of every drafter forward
+    drafter.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((args[0].data_ptr(), tuple(args[0].shape),
+                                                  tuple(kwargs["attention_mask"].shape))), with_kwargs=True)
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5]])
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    own = model.drafter
+    for call in range(2):
+        assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
+        if call == 0:
+            kv, graphs = own.kv, dict(own._captured._graphs)
+    assert own.kv is kv and own._captured._graphs == graphs  # the second call reused the cache and its graphs
+    kept = {g.args[0].data_ptr() for g in graphs.values()}
+    on_seam = [s for s in seen if s[0] in kept]
+    assert len(on_seam) == own._captured.calls == len(seen) - 2  # all but the two prompts'
+    assert len(kept) < len(on_seam) and len(kept) == len(graphs)
+    assert {mask[-1] for _, _, mask in on_seam} == {kv.capacity}
+    frontier = set(own.pass_rows())
+    assert {shape[1] for _, shape, _ in on_seam} <= frontier | {1, 2, 4, 8}
+    assert own.sync_free and own.net is own.model  # no lean forward (a CPU's) where forwards are captured
+
+
+def test_a_static_drafter_cache_grows_between_steps():
+    """A context longer than the drafter's first static cache grows it before a step (by doubling, whole steps
+    of slots), never inside one; the output stays the target's."""
+    from heads.eagle.drafter import STATIC_STEP
+
+    target = tiny_model("llama")
+    model = captured(target, heads.build("eagle3", target))
+    ids = torch.tensor([[5, 9, 14, 22, 31, 7, 8] * 30])[:, :200]  # with 40 new and a step's drafts: past 256
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=40), expected)
+    assert model.drafter.kv.capacity > STATIC_STEP and model.drafter.kv.capacity % STATIC_STEP == 0
 
 
 def test_the_layers_share_one_buffer_and_one_counter():
@@ -101,10 +147,11 @@ def sampling_target():
     return tiny_model("llama", vocab_size=V, init_std=0.2)
 
 
-@pytest.mark.parametrize("kind", ["tree", "draft_model"])
+@pytest.mark.parametrize("kind", ["tree", "draft_model", "eagle3"])
 def test_captured_step_sampling_is_lossless(sampling_target, kind, monkeypatch):
     monkeypatch.setattr(infer.engine, "VERIFY_ROOM", 32)  # 2,000 rows: small static buffers
-    model = captured(sampling_target, drafters(sampling_target)[kind])
+    drafter = heads.build("eagle3", sampling_target) if kind == "eagle3" else drafters(sampling_target)[kind]
+    model = captured(sampling_target, drafter)
     ids = torch.tensor([PROMPT]).repeat(2000, 1)
     out = model.generate(ids, max_new_tokens=3, do_sample=True, temperature=0.7, top_k=5, eos_token_id=[],
                          generator=torch.Generator().manual_seed(0))
@@ -178,6 +225,29 @@ def test_captured_step_fp32_is_greedy_exact_on_a_gpu(drafter):
     assert model.last_stats["verify_forward"] == "cuda graphs"
     graphs = model._verify_forward
     assert all(g.graph is not None for g in graphs._graphs.values())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_the_captured_drafter_is_the_uncaptured_one_on_a_gpu(kind):
+    """fp32 greedy: the drafter's forwards replayed as CUDA graphs give the output of the same step uncaptured
+    (and transformers'), call after call, on a batch whose rows finish at different steps (rows dropped: a new
+    cache, captured anew)."""
+    target = tiny_model("llama").cuda()
+    ids, mask = left_pad(prompts(3))
+    ids, mask = ids.cuda(), mask.cuda()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    drafter = heads.build(kind, target).cuda()
+    plain = SelfSpecModel(target, drafter, static_cache=True, captured_step=False)
+    assert torch.equal(plain.generate(ids, attention_mask=mask, max_new_tokens=32), expected)
+    model = SelfSpecModel(target, drafter, static_cache=True)  # captured by default on a GPU
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=32), expected)
+    graphs = model.drafter._captured
+    assert graphs.capture and graphs.calls > 0 and all(g.graph is not None for g in graphs._graphs.values())
 
 
 @pytest.mark.gpu

@@ -148,3 +148,53 @@ def test_one_host_read_per_step(kind, do_sample, bans):
     steps = counter.per_step()
     assert max(steps) <= 1, f"host reads per step: {steps}; the last step's: {counter.last_step_names()}"
     assert max(counter.uploads_per_step()) == 0, f"host values copied to the device per step: {counter.uploads_per_step()}"
+
+
+class TorchCalls(TorchFunctionMode):
+    """Python-level torch calls (functions and tensor methods), a forward on the captured step's seam
+    (`infer.cuda.StepGraphs`) counted as one call: on a GPU it is one graph replay, whatever it runs on a CPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+        self.paused = 0
+        self.at_steps: list[int] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += not self.paused
+        return func(*args, **(kwargs or {}))
+
+    def step_observer(self, tree, acceptance, budget) -> None:
+        self.at_steps.append(self.count)
+
+
+# Python-level torch calls per EAGLE-3 step of the tiny Llama (depth 6, top-k 8, 48 nodes) on the captured path, the
+# verify forward and the drafter's forwards on the seam: about 1,025 (1,666 while the drafter's six forwards ran
+# outside it). Launch overhead a GPU pays per call: a bound with some slack, so a regression shows without a GPU.
+EAGLE3_STEP_CALLS = 1100
+
+
+def test_torch_calls_per_captured_eagle3_step(monkeypatch):
+    from infer.cuda import StepGraphs
+
+    counter = TorchCalls()
+    forward = StepGraphs._forward
+
+    def one_call(self, *args, **kwargs):  # the forward on the seam: one replay on a GPU
+        counter.count += 1
+        counter.paused += 1
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            counter.paused -= 1
+
+    monkeypatch.setattr(StepGraphs, "_forward", one_call)
+    target = tiny_model("llama")
+    model = SelfSpecModel(target, _drafter("eagle3", target), static_cache=True, captured_step=True,
+                          cpu_prepack=False, lean_verify=False)
+    model.step_observer = counter.step_observer
+    with counter:
+        model.generate(torch.tensor([[5, 9, 14, 22, 31, 7, 8]]), max_new_tokens=16, do_sample=False, eos_token_id=[])
+    steps = [b - a for a, b in zip(counter.at_steps, counter.at_steps[1:], strict=False)]
+    assert len(steps) >= 2 and model.drafter._captured.calls > 0
+    assert max(steps) <= EAGLE3_STEP_CALLS, f"torch calls per captured EAGLE-3 step: {steps}"
