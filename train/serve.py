@@ -34,9 +34,11 @@ from pathlib import Path
 
 from .vllm_engine import (
     DRAFTERLESS,
-    _die_with_parent,
     default_vllm_python,
+    die_with_parent,
+    group_alive,
     speculative_config,
+    stop_group,
     vllm_model_path,
 )
 
@@ -171,7 +173,7 @@ class Server:
         # builds ignore the variable.
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ}
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env=env, start_new_session=True, preexec_fn=_die_with_parent)
+                                     env=env, start_new_session=True, preexec_fn=die_with_parent)
         self._reader = threading.Thread(target=self._copy_output, daemon=True)
         self._reader.start()
 
@@ -201,26 +203,11 @@ class Server:
                           f"The end of its log ({self.log}):\n{self.log_tail()}")
 
     def group_alive(self) -> bool:
-        self.proc.poll()  # reap the leader, or the zombie would count as alive
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        return group_alive(self.proc)
 
     def stop(self, grace: float = 30.0) -> None:
         """SIGTERM to every process vLLM started, SIGKILL to what is left after `grace` seconds."""
-        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            if not self.group_alive():
-                break
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            deadline = time.monotonic() + wait
-            while self.group_alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-        self.proc.wait()
+        stop_group(self.proc, grace)
 
 
 def healthy(url: str) -> bool:

@@ -99,11 +99,40 @@ def speculative_config(spec: str, *, target: str | None = None, export_dir: str 
     return Speculation(config, drafter, f"{fmt.description} export {exported}")
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """For `preexec_fn`: the child gets SIGTERM when this process dies, so no vLLM server outlives its caller."""
     if sys.platform.startswith("linux"):
         import ctypes
 
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    """Whether any process of `proc`'s process group (vLLM's workers included) is still running."""
+    proc.poll()  # reap the leader, or the zombie would count as alive
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop_group(proc: subprocess.Popen, grace: float = 30.0, wait_first: bool = False) -> None:
+    """SIGTERM to `proc`'s whole group, SIGKILL to what is left after `grace` seconds; with `wait_first`, first
+    `grace` seconds for it to leave on its own (a worker whose stdin was closed)."""
+    steps = ((None, grace),) if wait_first else ()
+    for sig, wait in (*steps, (signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
+        if not group_alive(proc):
+            break
+        if sig is not None:
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+        deadline = time.monotonic() + wait
+        while group_alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    proc.wait()
 
 
 class VLLMEngine:
@@ -128,7 +157,7 @@ class VLLMEngine:
         env = {"VLLM_CPU_KVCACHE_SPACE": "4", **os.environ, **(env or {})}
         with open(self.log, "wb") as log_file:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log_file,
-                                         env=env, text=True, start_new_session=True, preexec_fn=_die_with_parent)
+                                         env=env, text=True, start_new_session=True, preexec_fn=die_with_parent)
         try:
             self._read("ready", startup_timeout)
         except BaseException:
@@ -187,26 +216,7 @@ class VLLMEngine:
                 self.proc.stdin.close()
             except BrokenPipeError:
                 pass
-        for sig, wait in ((None, grace), (signal.SIGTERM, grace), (signal.SIGKILL, 10.0)):
-            if sig is not None:
-                try:
-                    os.killpg(self.proc.pid, sig)
-                except ProcessLookupError:
-                    break
-            deadline = time.monotonic() + wait
-            while self._group_alive() and time.monotonic() < deadline:
-                time.sleep(0.2)
-            if not self._group_alive():
-                break
-        self.proc.wait()
-
-    def _group_alive(self) -> bool:
-        self.proc.poll()
-        try:
-            os.killpg(self.proc.pid, 0)
-            return True
-        except ProcessLookupError:
-            return False
+        stop_group(self.proc, grace, wait_first=True)
 
     def __enter__(self) -> VLLMEngine:
         return self
