@@ -86,7 +86,8 @@ class EngineOptions:
 
     `captured_step` (needs `static_cache`): the target's verify forward runs over static input buffers, one set per
     `infer.engine.VERIFY_BUCKETS` node count, captured as a CUDA graph per bucket on a GPU and replayed every step
-    (`infer.cuda.StepGraphs`), and the drafter drafts without host reads (`infer.drafting.Drafter.sync_free`). On a
+    (`infer.cuda.StepGraphs`), and the drafter drafts without host reads (`infer.drafting.Drafter.sync_free`); an
+    EAGLE or EAGLE-3 drafter's forwards after the prompt's run the same way over a static cache of its own. On a
     CPU the same buffers run uncaptured, which only tests the path. None = on for a CUDA target with `static_cache`
     and without `compile` (whose CUDA graphs would capture the same forward); True with `compile` is an error.
     """

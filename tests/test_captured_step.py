@@ -55,7 +55,8 @@ def test_captured_step_is_greedy_exact(arch_name, drafter, batch):
     assert model.last_stats["verify_forward"] == "static buffers"
     graphs = model._verify_forward
     assert isinstance(graphs, StepGraphs) and graphs._graphs
-    assert {g.inputs["input_ids"].shape[1] for g in graphs._graphs.values()} <= set(VERIFY_BUCKETS)  # one set of buffers per bucket
+    # one set of buffers per bucket
+    assert {g.inputs["input_ids"].shape[1] for g in graphs._graphs.values()} <= set(VERIFY_BUCKETS)
     if drafter in ("eagle", "eagle3"):  # the drafter's forwards after the prompt's ran on the seam too
         assert model.drafter._captured.calls > 0 and model.drafter._captured._graphs
 

@@ -1,7 +1,9 @@
 """GPU-only acceleration, in one place: what runs only where the step is captured (`infer.options.Plan.captured_step`).
 
 - `graphs`: the target's verify forward as one CUDA graph per node bucket over the static KV cache (`StepGraphs`),
-  run uncaptured on the same buffers where there is no CUDA device.
+  and an EAGLE drafter's forwards as one graph per block shape over its own static cache (the engine hands
+  `StepGraphs` to the drafter's `capture_forwards`); run uncaptured on the same buffers where there is no CUDA
+  device.
 
 The engine reaches it through this module only; whether it runs is settled before the engine exists
 (`infer.policy.captured_step`).

@@ -8,7 +8,10 @@ write counters (`StaticLayer.cumulative_length`, device tensors) and the attenti
 a verify block is padded to one of a few node counts (`infer.engine.VERIFY_BUCKETS`). The rest of the forward's
 inputs (token ids, position ids, cache positions) are copied into buffers kept per bucket.
 
-`StepGraphs` stands where the target's forward would: `KVState.forward` calls it with the target's keywords.
+`StepGraphs` stands where the target's forward would: `KVState.forward` calls it with the target's keywords. An
+EAGLE drafter's forwards go through one of their own the same way (`heads.eagle.drafter.EagleDrafter.capture_forwards`):
+a draft depth's block has the tree's fixed frontier width and observe's is padded to a power of two, over a static
+drafter cache, so they too are a few shapes.
 Without CUDA (`capture=False`), it runs the target on the same kept buffers uncaptured: the path the tests check on
 a CPU, token for token against transformers' generate.
 """
