@@ -190,8 +190,8 @@ class Engine:
         self._lean: cpu.lean_forward.LeanForward | None = None  # this call's, made when it began
         if hasattr(own, "lean_forwards"):  # an EAGLE drafter: its own forwards lean too, by the same setting
             own.lean_forwards(plan.drafter_stream_rows, int8=options.int8_drafter)
-        if plan.captured_step and hasattr(own, "capture_forwards"):  # an EAGLE drafter: its forwards captured too
-            own.capture_forwards(cuda.StepGraphs)
+        if hasattr(own, "capture_forwards"):  # an EAGLE drafter: its forwards captured with the verify, or not
+            own.capture_forwards(cuda.StepGraphs if plan.captured_step else None)
         self._busy = threading.Lock()  # the drafter and the stats are per model: one generate at a time
         self.last_stats: dict = {}
 

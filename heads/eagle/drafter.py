@@ -96,9 +96,12 @@ class EagleDrafter(HeadDrafter):
     def capture_forwards(self, make) -> None:
         """From the next call on, draft over a static cache and run every forward after the prompt's through
         `make(model)` (the engine's `infer.cuda.StepGraphs`: kept input buffers per shape, captured as CUDA graphs
-        on a GPU) instead of the model or its lean forward (a CPU's, which a capture would not take)."""
-        self._captured = make(self.model)
-        self._lean_rows = None
+        on a GPU) instead of the model or its lean forward (a CPU's, which a capture would not take); `make` None:
+        the growing cache and the model's own forwards again (an engine without the captured step)."""
+        self._captured = None if make is None else make(self.model)
+        self._static_kv = None
+        if make is not None:
+            self._lean_rows = None
 
     def lean_forwards(self, stream_rows: int | None, int8: bool = True) -> None:
         """From the next call on, run the model through its `lean_forward` where it has one and it can run
