@@ -129,7 +129,14 @@ def test_train_within_a_budget_sizes_the_run_from_the_probe(workspace):
               "warmup_steps": 6, "eval_steps_depth": 2}
     result = train_within(0.25, lambda extra: load_config(None, {**values, **extra}))
     budget = result["budget"]
-    assert budget["probe_steps"] == 6 and result["step"] == budget["planned_steps"] > 6
+    assert budget["probe_steps"] == 6 and budget["planned_steps"] > 6
+    # The plan is the run's length; where the machine slows after the probe (other jobs on its cores), the time
+    # budget ends the run first, and says so.
+    stopped = result.get("stopped_by_time_budget")
+    if stopped is None:
+        assert result["step"] == budget["planned_steps"]
+    else:
+        assert stopped["planned_steps"] == budget["planned_steps"] and 6 < result["step"] < budget["planned_steps"]
     # the pace leaves out the first steps: the probe's 6 steps give one over its last 3
     assert budget["seconds_per_step"] > 0 and "seconds_per_step" in result
     assert heads.load(out / "drafter").kind == "eagle" and not (out / "checkpoints").exists()
