@@ -36,7 +36,7 @@ test: $(VENV)/.dev
 # The real SmolLM2 target, its GGUF through llama.cpp, compiles, and the vLLM round trips (skipped without
 # `make vllm`). CI runs both tiers.
 test-slow: $(VENV)/.dev
-	$(BIN)/python -m pytest -q -n $(TEST_JOBS) -m "slow or vllm"
+	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup -m "slow or vllm"
 
 test-all: test test-slow
 

@@ -128,3 +128,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "smollm2" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.slow)
+        # vLLM servers and workers hold several GB each (weights, a 4 GB KV cache, worker processes): two at once
+        # beside the test workers overrun a 24 GB machine, whose OOM killer then takes one vLLM worker down. Under
+        # `--dist loadgroup` (make test-slow) every vLLM test runs on one xdist worker, one after another.
+        if item.get_closest_marker("vllm"):
+            item.add_marker(pytest.mark.xdist_group("vllm"))
