@@ -84,7 +84,8 @@ def drafters(tmp_path_factory):
 
 def fake_vllm(folder: Path, mode: str) -> Path:
     """A stand-in for the python of a vLLM environment: answers the vllm-package probe, then either dies
-    during start-up ("die") or serves /health until SIGTERM ("serve"); both first start a child process,
+    during start-up ("die"), loses its engine but stays up unhealthy ("engine-dies") or serves /health until
+    SIGTERM ("serve"); each first starts a child process,
     as vLLM starts its engine, whose pid they write to child.pid."""
     python = folder / "bin" / "python"
     python.parent.mkdir(parents=True)
@@ -98,6 +99,12 @@ def fake_vllm(folder: Path, mode: str) -> Path:
             print("(Worker pid=1) ERROR ValueError: simulated start-up failure", flush=True)
             print("RuntimeError: Engine core initialization failed.", flush=True)
             sys.exit(1)
+        if {mode!r} == "engine-dies":  # the API process stays up, never healthy, as vLLM's does
+            print("(EngineCore pid=2) ERROR [multiproc_executor.py:315] Worker proc VllmWorker-0 died unexpectedly "
+                  "(exit code: -9), shutting down executor.", flush=True)
+            print("(EngineCore pid=2) ERROR [core.py:1512] EngineCore encountered a fatal error.", flush=True)
+            signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+            signal.pause()
 
         class Health(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
@@ -188,6 +195,19 @@ def test_vllm_dying_during_start_up_is_reported_and_leaves_nothing(drafters, tmp
     assert code == 2, out
     assert "exited with code 1 during start-up: ValueError: simulated start-up failure" in out
     assert str(tmp_path / "vllm.log") in out
+    assert not pid_alive(int((tmp_path / "venv" / "child.pid").read_text()))
+
+
+def test_an_engine_dead_at_start_up_is_reported_at_once(drafters, tmp_path, capsys):
+    """vLLM's API process outlives a dead engine (a worker killed for memory) and never answers /health: serve
+    says so when the log shows it, rather than waiting out --startup-timeout."""
+    fake = fake_vllm(tmp_path / "venv", "engine-dies")
+    start = time.monotonic()
+    code, out = run_main(capsys, drafters["eagle3"], "--port", free_port(), "--vllm-python", fake,
+                         "--log", tmp_path / "vllm.log", "--startup-timeout", "120")
+    assert code == 2, out
+    assert time.monotonic() - start < 60
+    assert "vLLM's engine died during start-up" in out and "exit code: -9" in out and "memory" in out
     assert not pid_alive(int((tmp_path / "venv" / "child.pid").read_text()))
 
 

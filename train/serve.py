@@ -44,6 +44,8 @@ from .vllm_engine import (
 
 ROOT = Path(__file__).resolve().parent.parent
 EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .+")
+# vLLM's API process outlives its engine: these lines say the engine is gone and /health will never answer
+ENGINE_DEATH = re.compile(r"died unexpectedly|EngineCore encountered a fatal error|EngineDeadError")
 
 
 class ServeError(Exception):
@@ -168,6 +170,7 @@ class Server:
     def __init__(self, cmd: list[str], log: Path):
         log.parent.mkdir(parents=True, exist_ok=True)
         self.log, self.tail = log, deque(maxlen=40)
+        self.engine_death: str | None = None  # the log line saying vLLM's engine died, once one has
         # vLLM's CPU backend otherwise reserves 92% of the memory node and refuses to start when other processes
         # hold more than 8% of it; a fixed KV cache (4 GiB, the default vllm/envs.py names) skips that check. GPU
         # builds ignore the variable.
@@ -182,7 +185,10 @@ class Server:
             for line in self.proc.stdout:
                 f.write(line)
                 f.flush()
-                self.tail.append(line.decode(errors="replace").rstrip())
+                text = line.decode(errors="replace").rstrip()
+                self.tail.append(text)
+                if self.engine_death is None and ENGINE_DEATH.search(text):
+                    self.engine_death = text
 
     def log_tail(self, n: int = 25) -> str:
         self._reader.join(timeout=2)
@@ -224,6 +230,11 @@ def wait_until_healthy(server: Server, url: str, timeout: float, stop: threading
     while not stop.is_set():
         if server.proc.poll() is not None:
             raise server.failure("during start-up")
+        if server.engine_death is not None:  # the API process stays up without its engine, never healthy
+            memory = " (exit code -9: killed, most likely for memory; free some, or lower VLLM_CPU_KVCACHE_SPACE)" \
+                if "exit code: -9" in server.engine_death else ""
+            raise ServeError(f"vLLM's engine died during start-up{memory}: {server.engine_death.strip()}\n"
+                             f"The end of its log ({server.log}):\n{server.log_tail()}")
         if healthy(url):
             return True
         if time.monotonic() > deadline:
