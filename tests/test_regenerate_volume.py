@@ -208,7 +208,10 @@ def test_two_vllm_engines_resume_a_killed_command(tmp_path):
     cmd = [sys.executable, "-m", "train.regenerate", "--engine", "vllm", "--engines", "2", "--target",
            "smollm2-135m-instruct", "--data", str(data), "--out", str(out), "--max_new_tokens", "32",
            "--batch_size", "4"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    tag = f"SELFSPEC_KILL_TEST={tmp_path}"  # inherited by every process the command starts, vLLM's included
+    env = {**os.environ, "SELFSPEC_KILL_TEST": str(tmp_path)}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            env=env)
     deadline = time.monotonic() + 900
     while time.monotonic() < deadline and proc.poll() is None:
         if out.exists() and len(out.read_bytes().splitlines()) >= 4:
@@ -216,6 +219,11 @@ def test_two_vllm_engines_resume_a_killed_command(tmp_path):
         time.sleep(0.1)
     os.killpg(proc.pid, signal.SIGKILL)  # the command; its vLLM workers get SIGTERM when it dies (vllm_engine.py)
     proc.wait()
+    # nothing it started outlives it: vLLM's engine and worker processes (GBs each) go with their worker
+    deadline = time.monotonic() + 60
+    while _tagged_processes(tag) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _tagged_processes(tag) == []
     written = len(read_jsonl(out))
     assert 4 <= written < 32, proc.stderr.read()[-3000:]
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -225,6 +233,19 @@ def test_two_vllm_engines_resume_a_killed_command(tmp_path):
     assert sorted(by_id(out)) == sorted(f"q{i}" for i in range(32))
     print(f"\nvLLM-CPU, 2 engines, batch 4, 32 tokens: {counts['answers_per_s']} answers/s, "
           f"{counts['tokens_per_s']} tokens/s")
+
+
+def _tagged_processes(tag: str) -> list[str]:
+    """The command lines of live processes whose environment holds `tag`."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and tag.encode() in (proc / "environ").read_bytes().split(b"\0") \
+                    and (proc / "stat").read_text().split(") ")[-1][0] != "Z":
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"))
+        except OSError:  # gone meanwhile, or not ours to read
+            pass
+    return found
 
 
 if __name__ == "__main__":  # the run the kill test stops: three slow engines side by side

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 from itertools import zip_longest
 
@@ -54,6 +55,10 @@ def main() -> None:
     parser.add_argument("--log-stats", action="store_true", help="keep vLLM's metrics (spec-decode counters)")
     args = parser.parse_args()
 
+    # SIGTERM comes when the caller dies (PR_SET_PDEATHSIG) or stops this worker: vLLM's engine and worker processes
+    # (this process group: the worker runs in a session of its own) do not follow their parent, and each holds GBs,
+    # so the whole group goes.
+    signal.signal(signal.SIGTERM, lambda *_: os.killpg(0, signal.SIGKILL))
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # vLLM and its engine process print to stdout; keep that off the protocol
 
