@@ -10,8 +10,7 @@ from pathlib import Path
 
 import datasets
 import pytest
-from tokenizers import Tokenizer, decoders, models
-from train_fixtures import CHATML, read_jsonl
+from train_fixtures import CHATML, character_tokenizer, read_jsonl
 from transformers import PreTrainedTokenizerFast
 
 from train.data import (
@@ -43,15 +42,7 @@ CALL_2 = '<call>{"name": "add", "arguments": "{\\"a\\": 2, \\"b\\": 3}"}</call><
 
 def json_tokenizer(chat_template: str = TOOL_TEMPLATE) -> PreTrainedTokenizerFast:
     """One token per printable character (JSON needs braces and quotes, which the fixtures' tokenizer lacks)."""
-    specials = ["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"]
-    vocab = {tok: i for i, tok in enumerate(specials + list(string.printable))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    core.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<|im_start|>",
-                                  eos_token="<|im_end|>", unk_token="<unk>")
-    tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tok.chat_template = chat_template
-    return tok
+    return character_tokenizer(["<pad>", "<|im_start|>", "<|im_end|>", "<unk>"], string.printable, chat_template)
 
 
 def trained_spans(tok, ids, mask) -> list[str]:

@@ -21,8 +21,14 @@ CHARS = string.ascii_lowercase + string.ascii_uppercase[:12] + string.digits + "
 
 
 def char_tokenizer(chat_template: str | None = CHATML) -> PreTrainedTokenizerFast:
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + list(CHARS))}
-    assert len(vocab) <= 96
+    tok = character_tokenizer(SPECIALS, CHARS, chat_template)
+    assert len(tok) <= 96
+    return tok
+
+
+def character_tokenizer(specials: list[str], chars: str, chat_template: str | None) -> PreTrainedTokenizerFast:
+    """One token per character of `chars`, after `specials` (ChatML's markers among them)."""
+    vocab = {tok: i for i, tok in enumerate(specials + list(chars))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<|im_start|>",
