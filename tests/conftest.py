@@ -51,6 +51,21 @@ def tiny_config(model_type: str, vocab_size: int = VOCAB, **overrides) -> transf
 EAGER_ONLY = {"gemma2"}
 
 
+def left_padded_prompts(batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ids [batch, 7] over the tiny models' vocabulary and their attention mask: the second prompt, where
+    there is one, is left-padded by 3."""
+    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    return ids[:batch], mask[:batch]
+
+
+def greedy_reference(target, ids: torch.Tensor, mask: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
+    """The target's own greedy continuation, no eos: what speculative greedy output must equal."""
+    return target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                           eos_token_id=None, pad_token_id=0)
+
+
 def tiny_model(model_type: str = "llama", seed: int = 0, attn_implementation: str | None = None,
                init_std: float = 0.5, **overrides) -> transformers.PreTrainedModel:
     """A random causal LM; `init_std` is large so next-token distributions are peaked and varied

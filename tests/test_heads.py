@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, tiny_model
+from conftest import ARCHITECTURES, greedy_reference, left_padded_prompts, tiny_model
 from foreign_checkpoints import FORMATS as FOREIGN_FORMATS
 from foreign_checkpoints import WRITERS
 from foreign_checkpoints import target_model as foreign_target
@@ -452,11 +452,8 @@ def test_two_layer_eagle3_caches_and_stays_exact(arch):
     torch.testing.assert_close(tail_hidden, full_hidden[:, 4:], rtol=1e-4, atol=1e-5)
     assert len(cache.layers) == 2
 
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None,
-                               pad_token_id=0)
+    ids, mask = left_padded_prompts()
+    expected = greedy_reference(target, ids, mask, 16)
     got = SelfSpecModel(target, drafter, tree={"depth": 3, "top_k": 3, "total_tokens": 8}).generate(
         ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(got, expected)
@@ -692,12 +689,8 @@ def test_speculative_greedy_equals_target_generate(case, batch):
     kind, arch = case[:2]
     tree = case[2] if len(case) > 2 else {}
     target = target_for(arch)
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # the second prompt is left-padded
-    ids, mask = ids[:batch], mask[:batch]
-    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
-                               pad_token_id=0)
+    ids, mask = left_padded_prompts(batch)
+    expected = greedy_reference(target, ids, mask, 20)
     drafter = heads.build(kind, target.config, tree=tree)
     got = SelfSpecModel(target, drafter).generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[])
     assert torch.equal(got, expected)
@@ -709,12 +702,8 @@ def test_imported_drafter_greedy_equals_target_generate(fmt, batch, tmp_path):
     """A drafter published in another project's format (heads/formats/), as heads.load imports it."""
     target = foreign_target()
     WRITERS[fmt](tmp_path, target)
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0  # the second prompt is left-padded
-    ids, mask = ids[:batch], mask[:batch]
-    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=20, eos_token_id=None,
-                               pad_token_id=0)
+    ids, mask = left_padded_prompts(batch)
+    expected = greedy_reference(target, ids, mask, 20)
     got = SelfSpecModel(target, heads.load(tmp_path, target=target)).generate(ids, attention_mask=mask,
                                                                              max_new_tokens=20, eos_token_id=[])
     assert torch.equal(got, expected)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import ARCHITECTURES, tiny_config, tiny_model
+from conftest import ARCHITECTURES, greedy_reference, left_padded_prompts, tiny_config, tiny_model
 
 import heads
 from heads.layers import arch_classes, layer_config_dict, llama_layer_config_dict
@@ -61,11 +61,8 @@ def test_greedy_output_is_the_targets_with_either_layer_style(arch, style, kind)
         g = torch.Generator().manual_seed(1)
         for p in drafter.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    ids = torch.randint(3, 96, (2, 7), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[1, :3] = 0
-    expected = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=16, eos_token_id=None,
-                               pad_token_id=0)
+    ids, mask = left_padded_prompts()
+    expected = greedy_reference(target, ids, mask, 16)
     got = SelfSpecModel(target, drafter, tree={"depth": 3, "top_k": 3, "total_tokens": 8}).generate(
         ids, attention_mask=mask, max_new_tokens=16, eos_token_id=[])
     assert torch.equal(got, expected)
