@@ -20,7 +20,8 @@ import tempfile
 from pathlib import Path
 
 from . import load
-from .hub import push
+from .folders import check_writable, written_whole
+from .hub import check_push, push
 from .kinds import REGISTRY
 
 EMBEDDED_NOTE = ("The target is the embedded `smollm2-135m-instruct` of selfspec: SmolLM2-135M-Instruct as "
@@ -62,9 +63,8 @@ STAGED_FILES = {"config.json", "model.safetensors", "README.md"}  # what staging
 
 def check_stage_dir(stage: Path) -> None:
     """Staging writes over STAGED_FILES: refuse a folder holding anything but an earlier staging (a saved
-    selfspec drafter and nothing else), so no file of the user's is overwritten."""
-    if stage.exists() and not stage.is_dir():
-        raise ValueError(f"--stage-dir {stage} is a file; choose an empty or new folder")
+    selfspec drafter and nothing else), so no file of the user's is overwritten; and one that cannot be written."""
+    check_writable(stage, "--stage-dir")
     names = {p.name for p in stage.iterdir()} if stage.is_dir() else set()
     if not names:
         return
@@ -111,15 +111,17 @@ def measured_metrics(bench_file: Path, method: str | None) -> dict | None:
 
 
 def stage(drafter_dir: Path, dest: Path, bench_file: Path | None, bench_method: str | None) -> Path:
-    """Re-save the drafter (with measured numbers added to its config) into `dest`; returns the card path."""
+    """Re-save the drafter (with measured numbers added to its config) into `dest`, written whole (an earlier
+    staging there is replaced only once this one is complete); returns the card path."""
     drafter = load(drafter_dir)
     if bench_file is not None:
         drafter.config.metrics = {**(drafter.config.metrics or {}), **measured_metrics(bench_file, bench_method)}
-    drafter.save_pretrained(dest)
-    card = dest / "README.md"
-    if drafter.config.base_model_name_or_path == "smollm2-135m-instruct":
-        card.write_text(card.read_text() + f"\n## Note on the target\n\n{EMBEDDED_NOTE}\n")
-    return card
+    with written_whole(dest) as folder:
+        drafter.save_pretrained(folder)
+        card = folder / "README.md"
+        if drafter.config.base_model_name_or_path == "smollm2-135m-instruct":
+            card.write_text(card.read_text() + f"\n## Note on the target\n\n{EMBEDDED_NOTE}\n")
+    return dest / "README.md"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +146,8 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     drafter_dir = find_drafter(args.run)
     check_args(args, drafter_dir)
+    if not args.dry_run:
+        check_push(args.repo_id, token=args.token, what="--repo-id")
     bench_file = args.bench
     if bench_file is None and (args.run / "bench" / "results.json").is_file():
         bench_file = args.run / "bench" / "results.json"

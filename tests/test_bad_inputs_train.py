@@ -7,6 +7,7 @@ check runs before the target would load (anything expensive fails with another m
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -137,10 +138,44 @@ def _drafter_whose_target_is_missing(c: Ctx):
 
 
 def _regenerate(c: Ctx, *argv):
+    """train.regenerate's command, which must refuse before the target loads (loading it fails the row)."""
+    import train.target
     from train.regenerate import main
 
+    def loaded(*args, **kwargs):
+        raise AssertionError("the target was loaded before the input was refused")
+
+    c.monkeypatch.setattr(train.target, "load_target", loaded)
     return main(["--target", c.shared["target"], "--data", c.shared["data"], "--out", str(c.tmp / "o.jsonl"),
                  *map(str, argv)])
+
+
+def _regenerate_onto(c: Ctx, answers: str, settings: str | None = None, *argv):
+    """train.regenerate resuming onto an output holding `answers` (and `settings` beside it)."""
+    c.write("o.jsonl", answers)
+    if settings is not None:
+        c.write("o.jsonl.settings.json", settings)
+    return _regenerate(c, *argv)
+
+
+def _without_gpus(c: Ctx) -> None:
+    import torch
+
+    c.monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    c.monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+def _write_bytes(c: Ctx, name: str, data: bytes) -> str:
+    (c.tmp / name).write_bytes(data)
+    return str(c.tmp / name)
+
+
+def _cut_parquet(c: Ctx) -> str:
+    import datasets
+
+    path = c.tmp / "d.parquet"
+    datasets.Dataset.from_list([{"messages": [USER, ASSISTANT]}] * 50).to_parquet(str(path))
+    return _write_bytes(c, "d.parquet", path.read_bytes()[: path.stat().st_size // 2])
 
 
 def _synthesize(c: Ctx, *argv):
@@ -152,6 +187,42 @@ def _synthesize(c: Ctx, *argv):
 def _long_conversation(c: Ctx) -> str:
     return c.jsonl({"messages": [USER, {"role": "assistant", "content": "yo " * 100}]},
                    {"messages": [USER, ASSISTANT]})
+
+
+def _hub(c: Ctx, token: str | None = "hf_test", whoami=None, offline: bool = False):
+    """The Hub as a row needs it, without the network: a token (or none) and whoami's answer or error (or
+    HF_HUB_OFFLINE and huggingface_hub's own whoami); any upload raises, so a check that comes too late fails
+    the row."""
+    import huggingface_hub
+    from huggingface_hub import HfApi
+
+    def answer(self, *args, **kwargs):
+        if isinstance(whoami, Exception):
+            raise whoami
+        return whoami or {"name": "me", "orgs": [{"name": "team"}]}
+
+    def no_upload(self, *args, **kwargs):
+        raise AssertionError("uploaded before the Hub was checked")
+
+    c.monkeypatch.setattr(huggingface_hub, "get_token", lambda: token)
+    if offline:
+        c.offline()
+    else:
+        c.monkeypatch.setattr(HfApi, "whoami", answer)
+    c.monkeypatch.setattr(HfApi, "create_repo", no_upload)
+    c.monkeypatch.setattr(HfApi, "upload_folder", no_upload)
+
+
+def _unreachable():
+    from huggingface_hub.errors import HTTPError
+
+    return HTTPError("[Errno -2] Name or service not known")
+
+
+def _yaml(c: Ctx, content: str | bytes) -> Path:
+    path = c.tmp / "run.yaml"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
 
 
 USER, ASSISTANT = {"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}
@@ -205,6 +276,27 @@ CASES = {
     "TrainConfig built in Python": (lambda c: train(TrainConfig(data=c.shared["data"], lr=0.0)), ValueError,
                                     "'lr' must be > 0"),
     "missing config file": (lambda c: load_config(c.tmp / "nope.yaml"), ValueError, "does not exist"),
+    "config file badly indented": (lambda c: load_config(_yaml(c, "drafter: eagle\n  lr: 3e-3\n")), ValueError,
+                                   "run.yaml' is not valid YAML at line 2, column 5: mapping values are not allowed"),
+    "config file with a tab": (lambda c: load_config(_yaml(c, "drafter: eagle\n\tlr: 3e-3\n")), ValueError,
+                               "run.yaml' is not valid YAML at line 2, column 1: found character '\\t'"),
+    "config file binary": (lambda c: load_config(_yaml(c, b"\x89PNG\r\n\x1a\n\xff\xfe")), ValueError,
+                           "run.yaml' is not UTF-8 text (it holds the byte 0x89); give the YAML file of overrides"),
+    "config file with a NUL": (lambda c: load_config(_yaml(c, "lr: 1\0\n")), ValueError,
+                               "run.yaml' holds the character '\\x00', which YAML does not allow"),
+    "config file is a folder": (lambda c: load_config(c.tmp), ValueError,
+                                "is a folder; give the YAML file of overrides"),
+    "override not YAML": (lambda c: load_config(None, ["data=d.jsonl", "lora_target_modules=[q_proj"]), ValueError,
+                          "config key 'lora_target_modules' in overrides: '[q_proj' is not a YAML value"),
+    "keep_best with nothing held out": (lambda c: c.config(keep_best=True, eval_every=5, eval_fraction=0.0),
+                                        ValueError, "keep_best=true keeps the drafter of the best held-out "
+                                                    "evaluation, but eval_fraction=0 holds nothing out"),
+    "keep_best by default, evaluations with nothing held out": (
+        lambda c: c.config(eval_every=5, eval_fraction=0.0), ValueError,
+        "eval_every=5 evaluates nothing and no best/ is written: set eval_fraction > 0, or keep_best: false"),
+    "keep_best asked for without evaluations": (lambda c: c.config(keep_best=True, eval_fraction=0.0), ValueError,
+                                                "eval_every=0 and eval_fraction=0.0 make no evaluation during the run"),
+    "lr past what AdamW can step": (lambda c: c.config(lr=1e38), ValueError, "'lr' must be <= 1e+37, got 1e+38"),
     "lr infinite": (lambda c: c.config(lr=".inf"), ValueError, "'lr' must be a finite number, got inf"),
     "loss weight infinite": (lambda c: c.config(feature_loss_weight=".inf"), ValueError,
                              "'feature_loss_weight' must be a finite number"),
@@ -293,6 +385,26 @@ CASES = {
                         "row 0: the conversation starts with an assistant turn"),
     "no assistant anywhere": (lambda c: c.samples(c.jsonl({"messages": [USER]}, {"messages": [USER]})),
                               ValueError, "none of the 2 conversations has an assistant turn"),
+    "one ShareGPT row among messages rows": (
+        lambda c: c.samples(c.jsonl({"messages": [USER, ASSISTANT]}, {"messages": [USER, ASSISTANT]},
+                                    {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+                                    {"messages": [USER, ASSISTANT]})),
+        ValueError, "row 2 is a ShareGPT row ('conversations'), not OpenAI messages ('messages') as the file is read"),
+    "user content as a list of parts": (
+        lambda c: c.samples(c.jsonl({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]},
+                                                  ASSISTANT]})),
+        ValueError, "row 0: message 0 (user) has content as a list of 1 parts, not text; give its text as one string"),
+    "jsonl.gz cut short": (
+        lambda c: load_rows(_write_bytes(c, "d.jsonl.gz", gzip.compress(b'{"messages": []}\n' * 50)[:-30])),
+        ValueError, "d.jsonl.gz is damaged gzip"),
+    ".gz that is not gzip": (lambda c: load_rows(_write_bytes(c, "d.jsonl.gz", b'{"messages": []}\n')), ValueError,
+                             "d.jsonl.gz is not gzip-compressed although its name ends in .gz"),
+    "parquet that is not parquet": (lambda c: load_rows(_write_bytes(c, "d.parquet", b"PAR1 but no more")),
+                                    ValueError, "d.parquet' is not a readable parquet file"),
+    "parquet cut short": (lambda c: load_rows(_cut_parquet(c)), ValueError, "d.parquet' is not a readable parquet"),
+    "latin-1 bytes in a jsonl file": (
+        lambda c: load_rows(_write_bytes(c, "d.jsonl", '{"messages": []}\n{"messages": "caf\xe9"}\n'.encode("latin-1"))),
+        ValueError, "d.jsonl: line 2 is not UTF-8 text (byte 0xe9); save the file as UTF-8"),
     "train on bad data checks it before the target": (
         lambda c: c.train(data=c.jsonl({"messages": [USER, {"role": "bot", "content": "yo"}]})),
         ValueError, "message 1 has role 'bot'"),
@@ -336,6 +448,28 @@ CASES = {
                                         "max_new_tokens must be an int >= 1"),
     "regenerate: max_samples negative": (lambda c: _regenerate(c, "--max_samples", -3), ValueError,
                                          "max_samples must be an int >= 0"),
+    "regenerate: --out a folder": (lambda c: _regenerate(c, "--out", c.tmp), ValueError,
+                                   "is a folder; give the .jsonl file to write"),
+    "regenerate: --out under a file": (lambda c: _regenerate(c, "--out", c.write("f", "x") + "/o.jsonl"), ValueError,
+                                       "cannot be created: "),
+    "regenerate: an output line without an id": (lambda c: _regenerate_onto(c, '{"messages": []}\n'), ValueError,
+                                                 "o.jsonl: line 1 has no 'id', so it is not an answer"),
+    "regenerate: an output line a JSON list": (lambda c: _regenerate_onto(c, '{"id": "0"}\n[1, 2]\n'), ValueError,
+                                               "o.jsonl: line 2 is a JSON list, so it is not an answer"),
+    "regenerate: a damaged settings file": (lambda c: _regenerate_onto(c, '{"id": "0"}\n', '{"target": '), ValueError,
+                                            "o.jsonl.settings.json is damaged (not JSON"),
+    "regenerate: a settings file holding a list": (lambda c: _regenerate_onto(c, '{"id": "0"}\n', "[]"), ValueError,
+                                                   "o.jsonl.settings.json is damaged (a JSON list, not an object)"),
+    "regenerate: data changed since the answers": (
+        lambda c: _regenerate_onto(c, '{"id": "0"}\n', '{"data_fingerprint": "3 rows, sha256 0123456789abcdef"}'),
+        ValueError, "o.jsonl holds answers to other rows than"),
+    "regenerate: a row with no messages": (
+        lambda c: _regenerate(c, "--data", c.jsonl({"id": "a", "messages": [USER]}, {"id": "e", "messages": []})),
+        ValueError, "row 1 (id 'e') has no messages, so no prompt to answer"),
+    "regenerate: --device cuda without a GPU": (lambda c: (_without_gpus(c), _regenerate(c, "--device", "cuda")),
+                                                ValueError, "--device cuda: this machine has 0 CUDA GPU(s)"),
+    "regenerate: --device not a device": (lambda c: _regenerate(c, "--device", "gpu0"), ValueError,
+                                          "--device 'gpu0' is not a device"),
     "synthesize_prompts: temperature nan": (lambda c: _synthesize(c, "--temperature", "nan"), ValueError,
                                             "temperature must be a finite number >= 0"),
     "synthesize_prompts: top_p zero": (lambda c: _synthesize(c, "--top_p", 0), ValueError, "top_p must be in (0, 1]"),
@@ -405,6 +539,25 @@ CASES = {
                                        ValueError, "is not a Hub repo id (owner/name)"),
     "push: no drafter in the run folder": (lambda c: c.push(c.tmp, "--repo-id", "me/x", "--dry-run"),
                                            FileNotFoundError, "holds no saved drafter"),
+    "push: the Hub unreachable": (lambda c: (_hub(c, whoami=_unreachable()), c.push(c.drafter_copy(), "--repo-id",
+                                                                                   "me/x")),
+                                  ValueError, "--repo-id=me/x: the Hugging Face Hub cannot be reached"),
+
+    # ---- push_to_hub in training: the Hub checked before the target loads (and before the run's hours) ------
+    "train push_to_hub: the Hub unreachable": (
+        lambda c: (_hub(c, whoami=_unreachable()), c.train(push_to_hub="me/drafter")), ValueError,
+        "push_to_hub=me/drafter: the Hugging Face Hub cannot be reached (HTTPError: [Errno -2] Name or service "
+        "not known); check the network"),
+    "train push_to_hub: no token": (lambda c: (_hub(c, token=None), c.train(push_to_hub="me/drafter")), ValueError,
+                                    "push_to_hub=me/drafter: no Hugging Face token found; log in with `hf auth login`"),
+    "train push_to_hub: offline": (lambda c: (_hub(c, offline=True), c.train(push_to_hub="me/drafter")), ValueError,
+                                   "push_to_hub=me/drafter, but HF_HUB_OFFLINE is set"),
+    "train push_to_hub: another owner's repo": (
+        lambda c: (_hub(c), c.train(push_to_hub="someone/drafter")), ValueError,
+        "the token belongs to 'me', who can create repos only under 'me', 'team', not 'someone'"),
+    "train push_to_hub: a read-only token": (
+        lambda c: (_hub(c, whoami={"name": "me", "auth": {"accessToken": {"role": "read"}}}),
+                   c.train(push_to_hub="me/drafter")), ValueError, "the token of 'me' is read-only"),
 }
 
 

@@ -182,3 +182,147 @@ def test_target_fingerprint_samples_large_tensors_and_sees_a_fine_tune(monkeypat
         weight = model.model.layers[0].self_attn.q_proj.weight
         weight += 1e-4 * torch.randn_like(weight)  # as a fine-tune or a merged adapter changes a whole matrix
     assert target_fingerprint(model) != same
+
+
+# ---- a run that diverges, a full disk, an unreachable Hub (issue #55) ---------------------------------------
+
+def intact_checkpoints(out: Path) -> list[str]:
+    from train.train_heads import torn_reason
+
+    return [p.name for p in sorted((out / "checkpoints").iterdir()) if torn_reason(p) is None]
+
+
+def all_finite(path: Path) -> bool:
+    from safetensors.torch import load_file
+
+    return all(torch.isfinite(w).all() for w in load_file(path).values())
+
+
+@pytest.mark.parametrize("kind, lr", [("eagle", 1e9), ("medusa", 1e30)])
+def test_a_non_finite_loss_stops_the_run_at_its_step_keeping_the_last_checkpoint(ws, kind, lr):
+    """lr far too high: the weights after step 1 overflow the next forward. The run stops at step 2, before
+    applying it, and saves nothing after the last good checkpoint: no NaN checkpoint, drafter or best/."""
+    out = ws["root"] / "run"
+    with pytest.raises(FloatingPointError) as info:
+        run(ws, drafter=kind, lr=lr, max_steps=6, save_every=1, keep_checkpoints=10, halt_after_steps=0,
+            eval_every=2)
+    message = str(info.value)
+    assert message.startswith("training stopped at step 2: the loss is nan and the gradient norm nan (not finite)")
+    assert f"the last checkpoint, {out / 'checkpoints' / 'step_00000001'}, is as it was" in message
+    assert f"lower lr (now {lr})" in message and "overwrite=true" in message
+    assert intact_checkpoints(out) == ["step_00000001"]
+    assert all_finite(out / "checkpoints" / "step_00000001" / "model.safetensors")
+    assert not any((out / name).exists() for name in ("drafter", "best", "result.json"))
+    assert len((out / "history.jsonl").read_text().splitlines()) == 1  # the good step only
+
+
+def poison_after_step(monkeypatch, at_step: int) -> None:
+    """The optimizer leaves a NaN weight after step `at_step`, from a finite loss and gradient (as an overflowing
+    update would): only the check of the weights before a save can see it."""
+    steps = []
+    original = torch.optim.AdamW.step
+
+    def step(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        steps.append(1)
+        if len(steps) == at_step:
+            with torch.no_grad():
+                self.param_groups[0]["params"][0].view(-1)[0] = float("nan")
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+
+
+def nan_eval_loss(monkeypatch) -> None:
+    import train.train_heads
+
+    evaluate = train.train_heads.evaluate
+    monkeypatch.setattr(train.train_heads, "evaluate", lambda *a, **k: {**evaluate(*a, **k), "eval_loss": float("nan")})
+
+
+@pytest.mark.parametrize("fault, fragment", [
+    (lambda mp: poison_after_step(mp, 2), "training stopped at step 2: some of the drafter's weights are NaN or inf "
+                                          "after the optimizer step (not finite); nothing of it was saved"),
+    (nan_eval_loss, "training stopped at step 2: the held-out eval_loss is nan (not finite); this evaluation's "
+                    "drafter was not kept"),
+])
+def test_non_finite_weights_or_eval_loss_are_never_saved_or_reported_as_fine(ws, monkeypatch, fault, fragment):
+    fault(monkeypatch)
+    out = ws["root"] / "run"
+    with pytest.raises(FloatingPointError) as info:
+        run(ws, max_steps=4, save_every=1, keep_checkpoints=10, eval_every=2, halt_after_steps=0)
+    assert fragment in str(info.value) and "step_00000001, is as it was" in str(info.value)
+    assert intact_checkpoints(out) == ["step_00000001"]
+    assert not any((out / name).exists() for name in ("drafter", "best", "result.json"))
+
+
+@pytest.mark.parametrize("error", [
+    RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 4160 vs 4048"),
+    OSError(28, "No space left on device"),
+])
+def test_a_full_disk_during_a_checkpoint_says_so_and_keeps_the_previous_one(ws, monkeypatch, error):
+    from accelerate import Accelerator
+
+    out = ws["root"] / "run"
+    save_state, calls = Accelerator.save_state, []
+
+    def full_on_the_second(self, folder, *args, **kwargs):
+        calls.append(folder)
+        if len(calls) < 2:
+            return save_state(self, folder, *args, **kwargs)
+        Path(folder).mkdir(parents=True)
+        (Path(folder) / "model.safetensors").write_bytes(b"\0" * 100)  # what the write got out before the disk filled
+        raise error
+
+    monkeypatch.setattr(Accelerator, "save_state", full_on_the_second)
+    with pytest.raises(OSError) as info:
+        run(ws, halt_after_steps=0)
+    message = str(info.value)
+    assert info.value.errno == 28 and "the disk is full" in message
+    assert f"writing the checkpoint of step 4 into {out / 'checkpoints' / 'step_00000004'} failed" in message
+    assert f"The newest intact checkpoint is {out / 'checkpoints' / 'step_00000002'}" in message
+    assert "resume=true" in message
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_00000002"]  # the partial one removed
+    assert intact_checkpoints(out) == ["step_00000002"]
+
+
+def test_a_push_that_fails_after_training_keeps_the_results_and_says_how_to_upload(ws, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import HTTPError
+
+    def unreachable(*args, **kwargs):
+        raise HTTPError("[Errno -2] Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "me", "orgs": []})
+    monkeypatch.setattr(HfApi, "create_repo", unreachable)  # the network went down during training
+    monkeypatch.setattr(HfApi, "upload_folder", unreachable)
+    out = ws["root"] / "run"
+    with pytest.raises(RuntimeError) as info:
+        run(ws, halt_after_steps=0, push_to_hub="me/drafter")
+    message = str(info.value)
+    assert f"training finished and its drafter is saved in {out / 'drafter'}" in message
+    assert "uploading it to the Hub repo me/drafter failed: HTTPError: [Errno -2] Name or service not known" in message
+    assert f"python scripts/push_to_hub.py {out} --repo-id me/drafter" in message
+    result = json.loads((out / "result.json").read_text())
+    assert result["step"] == 4 and result["eval"]["eval_loss"] > 0
+    assert result["push_to_hub"] == {"repo_id": "me/drafter",
+                                     "error": "HTTPError: [Errno -2] Name or service not known"}
+    assert heads.load(out / "drafter").config.training["steps"] == 4
+
+
+def test_a_push_that_succeeds_is_recorded_in_result_json(ws, monkeypatch):
+    import huggingface_hub
+    from huggingface_hub import HfApi
+
+    pushed = []
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_test")
+    monkeypatch.setattr(HfApi, "whoami", lambda self, *a, **k: {"name": "me", "orgs": [{"name": "team"}]})
+    monkeypatch.setattr(HfApi, "create_repo", lambda self, repo_id, **k: type("Repo", (), {"repo_id": repo_id}))
+    monkeypatch.setattr(HfApi, "upload_folder", lambda self, **k: pushed.append(k) or "https://hub/commit/1")
+    out = ws["root"] / "run"
+    run(ws, halt_after_steps=0, push_to_hub="team/drafter")
+    assert pushed[0]["repo_id"] == "team/drafter"
+    assert json.loads((out / "result.json").read_text())["push_to_hub"] == {
+        "repo_id": "team/drafter", "commit": "https://hub/commit/1"}

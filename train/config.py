@@ -114,7 +114,13 @@ def _coerce(name: str, value, source: str):
         raise AssertionError(f"union field types are not supported ({name})")
     origin = typing.get_origin(typ) or typ
     if isinstance(value, str) and origin is not str:
-        value = yaml.safe_load(value) if value != "" else value
+        try:
+            value = yaml.safe_load(value) if value != "" else value
+        except yaml.YAMLError as err:
+            problem = getattr(err, "problem", None) or err
+            raise ValueError(f"config key {name!r} in {source}: {value!r} is not a YAML value ({problem}); write "
+                             f"it as YAML, e.g. lr=3e-4, lora_target_modules=[q_proj,v_proj], "
+                             "drafter_options={num_heads: 3}") from None
     if isinstance(value, str) and origin is float:  # YAML 1.1 reads "2e-3" (no dot) as a string
         try:
             value = float(value)
@@ -143,9 +149,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     values: dict = {}
     if path:
         path = Path(path)
-        if not path.is_file():
-            raise ValueError(f"config file {str(path)!r} does not exist")
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_yaml(path) or {}
         if not isinstance(loaded, dict):
             raise ValueError(f"config file {str(path)!r} must hold a mapping of overrides")
         for key, value in loaded.items():
@@ -167,7 +171,41 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
         values[key] = _coerce(key, value, "overrides")
     config = TrainConfig(**values)
     validate(config)
+    # keep_best is on by default, so only a run that asks for it (and will not evaluate) is told it gets no best/.
+    if values.get("keep_best") is True and not (config.eval_every and config.eval_fraction > 0):
+        raise ValueError(f"keep_best=true keeps the drafter of the best held-out evaluation, but eval_every="
+                         f"{config.eval_every} and eval_fraction={config.eval_fraction} make no evaluation during "
+                         "the run, so no best/ would be written: set eval_every > 0 and eval_fraction > 0, or "
+                         "keep_best: false")
     return config
+
+
+def _read_yaml(path: Path):
+    """The YAML file at `path`, parsed; what is wrong with it (a folder, binary, a syntax error at a line) named."""
+    if path.is_dir():
+        raise ValueError(f"config file {str(path)!r} is a folder; give the YAML file of overrides (e.g. "
+                         "configs/smollm2_eagle.yaml)")
+    if not path.is_file():
+        raise ValueError(f"config file {str(path)!r} does not exist")
+    try:
+        with open(path, encoding="utf-8") as f:  # a stream, so that YAML's messages name the file, not a string
+            return yaml.safe_load(f)
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config file {str(path)!r} is not UTF-8 text (it holds the byte {err.object[err.start]:#04x}); "
+                         "give the YAML file of overrides, not a binary file") from None
+    except yaml.reader.ReaderError as err:
+        raise ValueError(f"config file {str(path)!r} holds the character {chr(err.character)!r}, which YAML does not "
+                         "allow; give the YAML file of overrides, not a binary file") from None
+    except yaml.MarkedYAMLError as err:
+        mark = err.problem_mark or err.context_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "somewhere"
+        raise ValueError(f"config file {str(path)!r} is not valid YAML at {where}: {err.problem or err.context} "
+                         "(check that line and the one before it: indentation, 'key: value', closed brackets and "
+                         "quotes)") from None
+    except yaml.YAMLError as err:
+        raise ValueError(f"config file {str(path)!r} is not valid YAML: {err}") from None
+    except OSError as err:
+        raise ValueError(f"config file {str(path)!r} cannot be read ({err.strerror})") from None
 
 
 # Fields that must be >= 0, with what 0 means (or why negative makes no sense).
@@ -194,6 +232,9 @@ NON_NEGATIVE = {
 # for the backward pass, so memory grows with the square of their number; a typo's thousands exhaust any machine.
 MAX_UNROLLED_STEPS = 64
 SEEDS = 2**32  # numpy, which accelerate's set_seed seeds too, takes seeds in [0, 2**32)
+# AdamW's bias-corrected first step is a multiple of lr that torch converts to float32: a larger lr fails inside
+# the optimizer with a bare overflow error instead of diverging where the loop's finite checks can name it.
+MAX_LR = 1e37
 
 
 def validate(config: TrainConfig) -> None:
@@ -234,6 +275,10 @@ def validate(config: TrainConfig) -> None:
     if config.early_stop_patience and not (config.eval_every and config.eval_fraction > 0):
         raise ValueError(f"early_stop_patience={config.early_stop_patience} stops on held-out evaluations: set "
                          "eval_every > 0 and eval_fraction > 0, or early_stop_patience: 0")
+    if config.keep_best and config.eval_every and not config.eval_fraction > 0:
+        raise ValueError(f"keep_best=true keeps the drafter of the best held-out evaluation, but eval_fraction=0 holds "
+                         f"nothing out, so eval_every={config.eval_every} evaluates nothing and no best/ is written: "
+                         "set eval_fraction > 0, or keep_best: false")
     if config.lora_r > 0 and config.lora_alpha <= 0:
         raise ValueError(f"config key 'lora_alpha' must be > 0 with lora_r > 0, got {config.lora_alpha}")
     if not config.output_dir:
@@ -284,6 +329,9 @@ def check_ranges(config: TrainConfig) -> None:
     for name in ("lr", "head_decay", "ttt_decay"):
         if not getattr(config, name) > 0:  # also refuses NaN
             raise ValueError(f"config key {name!r} must be > 0, got {getattr(config, name)}")
+    if config.lr > MAX_LR:
+        raise ValueError(f"config key 'lr' must be <= {MAX_LR:g}, got {config.lr:g}: AdamW's first step would overflow "
+                         "float32. Drafters train at lr of about 1e-4 to 1e-2")
     if not 0.0 <= config.eval_fraction < 1.0:
         raise ValueError(f"config key 'eval_fraction' must be in [0, 1), got {config.eval_fraction}")
     if not 0.0 <= config.lora_dropout < 1.0:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import json
 import math
 import os
@@ -42,8 +43,10 @@ if __package__ in (None, ""):  # run as a script: make the repository importable
     sys.path[:] = [_root] + [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
 
 import torch  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 
 import heads  # noqa: E402
+from heads.hub import check_push  # noqa: E402
 from heads.losses import StepStats  # noqa: E402
 from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
 from train.data import (  # noqa: E402
@@ -258,18 +261,55 @@ def save_checkpoint(config, accelerator, step: int, fingerprints: dict) -> None:
     if accelerator.is_main_process and path.exists():
         shutil.rmtree(path)  # torn by a kill during this same save in an earlier attempt
     accelerator.wait_for_everyone()
-    accelerator.save_state(str(path))
+    with disk_full_named(config, path, f"the checkpoint of step {step}", partial=path):
+        accelerator.save_state(str(path))
     accelerator.wait_for_everyone()  # every process has written its RNG state
     if accelerator.is_main_process:
         files = {str(f.relative_to(path)): f.stat().st_size for f in sorted(path.rglob("*")) if f.is_file()}
-        write_atomic(path / MANIFEST, json.dumps({"step": step, "config": to_dict(config), "files": files,
-                                                  "inputs": fingerprints}, indent=1) + "\n")
+        with disk_full_named(config, path, f"the checkpoint of step {step}", partial=path):
+            write_atomic(path / MANIFEST, json.dumps({"step": step, "config": to_dict(config), "files": files,
+                                                      "inputs": fingerprints}, indent=1) + "\n")
         intact = [p for p in checkpoints(config) if torn_reason(p) is None]
         for old in checkpoints(config):
             if old not in intact[-config.keep_checkpoints:]:
                 shutil.rmtree(old)
         drop_previous_run(config)
     accelerator.wait_for_everyone()
+
+
+# How a full disk surfaces: errno from Python's own writes, torch's zip writer's messages (it checks the
+# position after each write, so a short write reads as an "unexpected pos") and safetensors' Rust I/O error.
+DISK_FULL_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+DISK_FULL_MESSAGES = ("unexpected pos", "file write failed", "No space left on device", "StorageFull")
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
+
+
+def is_disk_full(err: BaseException) -> bool:
+    if isinstance(err, OSError) and err.errno in DISK_FULL_ERRNOS:
+        return True
+    return any(m in str(err) for m in DISK_FULL_MESSAGES)
+
+
+@contextlib.contextmanager
+def disk_full_named(config: TrainConfig, folder: Path, what: str, partial: Path | None = None):
+    """A full disk while writing `what` into `folder`, said as such and where, rather than as torch's writer
+    error. `partial`, the half-written folder, is removed: it frees the space it took, and the previous
+    checkpoint (or best/) stays the newest intact one."""
+    try:
+        yield
+    except WRITE_ERRORS as err:
+        if not is_disk_full(err):
+            raise
+        if partial is not None:
+            shutil.rmtree(partial, ignore_errors=True)
+        out = Path(config.output_dir)
+        free = shutil.disk_usage(out).free if out.is_dir() else 0
+        intact = [p for p in checkpoints(config) if torn_reason(p) is None]
+        kept = f"The newest intact checkpoint is {intact[-1]}" if intact else "No checkpoint was saved before it"
+        removed = f"; the partial {partial.name} was removed" if partial is not None else ""
+        raise OSError(errno.ENOSPC, f"writing {what} into {folder} failed: the disk is full ({free / 2**20:.0f} MiB "
+                      f"free on the filesystem of {out}; {err}){removed}. {kept}. Free space there (fewer "
+                      "keep_checkpoints, or output_dir on a larger disk), then continue with resume=true") from err
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -387,9 +427,9 @@ def drop_previous_run(config: TrainConfig) -> None:
 
 
 def save_drafter(config, accelerator, objective, lora_target, result: dict, data_info: dict,
-                 folder: Path | None = None, push: bool = True) -> Path:
+                 folder: Path | None = None) -> Path:
     """The drafter (and Medusa-2's target adapter) with its training record and held-out metrics, into
-    `folder` (<output_dir>/drafter); pushed to the Hub when `push` and push_to_hub say so."""
+    `folder` (<output_dir>/drafter)."""
     out = folder or Path(config.output_dir) / "drafter"
     if not accelerator.is_main_process:
         return out
@@ -410,8 +450,6 @@ def save_drafter(config, accelerator, objective, lora_target, result: dict, data
     drafter.save_pretrained(out)
     if lora_target is not None:
         accelerator.unwrap_model(objective).lora_target.save_pretrained(out / "target_adapter")
-    if push and config.push_to_hub:
-        drafter.push_to_hub(config.push_to_hub)
     return out
 
 
@@ -549,16 +587,61 @@ def open_history(config: TrainConfig, progress: Progress):
     return open(path, "a")
 
 
-def micro_step(config, accelerator, objective, optimizer, params, batch, feats):
-    """Forward and backward one micro-batch; the optimizer steps only when gradients are synced."""
-    with accelerator.accumulate(objective):
-        loss, logs = objective(batch, feats)
+def micro_step(config, accelerator, run, batch, feats, step: int):
+    """Forward and backward one micro-batch; the optimizer steps only when gradients are synced, and only on
+    a finite loss and gradient (`check_finite`). Returns the loss as a float at a synced step (else None)
+    and the objective's logs."""
+    with accelerator.accumulate(run.objective):
+        loss, logs = run.objective(batch, feats)
         accelerator.backward(loss)
-        if accelerator.sync_gradients and config.max_grad_norm > 0:
-            accelerator.clip_grad_norm_(params, config.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad()
-    return loss, logs
+        value = None
+        if accelerator.sync_gradients:
+            # max_grad_norm=0 clips nothing (an infinite bound) but still measures the norm the check reads.
+            norm = accelerator.clip_grad_norm_(run.params, config.max_grad_norm or math.inf)
+            value = check_finite(config, accelerator, step, loss, norm)
+        run.optimizer.step()
+        run.optimizer.zero_grad()
+    return value, logs
+
+
+def check_finite(config, accelerator, step: int, loss, norm) -> float:
+    """The step's loss as a float, read together with the gradient norm (the step's one host read). A
+    non-finite either stops the run before the optimizer applies it: the weights, checkpoints and drafter stay
+    those of the last good step. The norm covers every micro-batch of the step; under fp16's loss scaling an
+    overflowing gradient is normal (the scaler skips that step and lowers its scale), so only the loss counts
+    there, as with DeepSpeed, which reports no norm before its step."""
+    measured = [loss.detach().float().reshape(())]
+    if torch.is_tensor(norm) and accelerator.scaler is None:
+        measured.append(norm.detach().float().reshape(()).to(measured[0].device))
+    values = torch.stack(measured).tolist()
+    if all(math.isfinite(v) for v in values):
+        return values[0]
+    what = f"the loss is {values[0]}" + (f" and the gradient norm {values[1]}" if len(values) > 1 else "")
+    raise FloatingPointError(diverged(config, step, what, "nothing of this step was applied or saved"))
+
+
+def diverged(config: TrainConfig, step: int, what: str, kept: str) -> str:
+    """Why a run stopped on a non-finite number at `step`, what it kept and the fixes."""
+    intact = [p for p in checkpoints(config) if torn_reason(p) is None]
+    last = f"the last checkpoint, {intact[-1]}, is as it was" if intact else "no checkpoint was saved before it"
+    if step <= 1:  # nothing has been learned yet: the inputs, not the learning rate
+        causes = ("It failed at the first step, before any update: look at the inputs. A float16 target overflows "
+                  "(target_dtype: bfloat16 or float32), as can mixed_precision: fp16 (use bf16 or no); a drafter_init "
+                  "may hold non-finite weights")
+    else:
+        causes = (f"The run diverged: lower lr (now {config.lr}), raise warmup_steps (now {config.warmup_steps})"
+                  + ("" if config.max_grad_norm else ", clip gradients with max_grad_norm > 0 (now 0)")
+                  + "; start again with overwrite=true, since a resume keeps the run's lr")
+    return f"training stopped at step {step}: {what} (not finite); {kept}, and {last}. {causes}."
+
+
+def check_weights(config: TrainConfig, run, step: int) -> None:
+    """Before a save: the trainable weights are finite (one host read), so no checkpoint or drafter holds
+    NaN or inf. An optimizer step can overflow them from a finite gradient when lr is huge."""
+    if not run.params or torch.stack([torch.isfinite(p.detach()).all() for p in run.params]).all():
+        return
+    raise FloatingPointError(diverged(config, step, "some of the drafter's weights are NaN or inf after the "
+                                      "optimizer step", "nothing of it was saved"))
 
 
 def data_info(config: TrainConfig, inputs: Inputs) -> dict:
@@ -567,14 +650,47 @@ def data_info(config: TrainConfig, inputs: Inputs) -> dict:
 
 
 def write_outputs(config, accelerator, objective, inputs: Inputs, result: dict) -> None:
-    result["drafter_dir"] = str(save_drafter(config, accelerator, objective, inputs.lora_target, result,
-                                             data_info(config, inputs)))
-    if accelerator.is_main_process:
-        out = Path(config.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "result.json").write_text(json.dumps({k: v for k, v in result.items() if k != "history"},
-                                                    indent=2) + "\n")
-        drop_previous_run(config)
+    """The drafter folder and result.json, then the upload (push_to_hub), whose outcome result.json records:
+    an upload that fails loses none of the training's results (`train` reports it once the run has ended)."""
+    with disk_full_named(config, Path(config.output_dir) / "drafter", "the trained drafter"):
+        result["drafter_dir"] = str(save_drafter(config, accelerator, objective, inputs.lora_target, result,
+                                                 data_info(config, inputs)))
+    if not accelerator.is_main_process:
+        return
+    write_result(config, result)
+    drop_previous_run(config)
+    if config.push_to_hub:
+        result["push_to_hub"] = upload(config, accelerator.unwrap_model(objective).drafter)
+        write_result(config, result)
+
+
+def write_result(config: TrainConfig, result: dict) -> None:
+    out = Path(config.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / "result.json", json.dumps({k: v for k, v in result.items() if k != "history"}, indent=2) + "\n")
+
+
+def upload(config: TrainConfig, drafter) -> dict:
+    """Push the trained drafter to push_to_hub; what happened, for result.json (a failure is not raised here,
+    so the caller has written the run's results first)."""
+    from huggingface_hub.errors import HTTPError
+
+    try:
+        url = drafter.push_to_hub(config.push_to_hub)
+    except (OSError, ValueError, HTTPError) as err:  # the Hub's answers, the network's failures
+        return {"repo_id": config.push_to_hub, "error": f"{type(err).__name__}: {err}"}
+    print(f"[hub] pushed the drafter to https://huggingface.co/{config.push_to_hub}: {url}", flush=True)
+    return {"repo_id": config.push_to_hub, "commit": url}
+
+
+def check_uploaded(config: TrainConfig, result: dict) -> None:
+    """Say that the upload failed, after training and its results were kept."""
+    error = (result.get("push_to_hub") or {}).get("error")
+    if error:
+        raise RuntimeError(f"training finished and its drafter is saved in {result['drafter_dir']} (results in "
+                           f"{Path(config.output_dir) / 'result.json'}), but uploading it to the Hub repo "
+                           f"{config.push_to_hub} failed: {error}. Upload it again with: python scripts/push_to_hub.py "
+                           f"{config.output_dir} --repo-id {config.push_to_hub}")
 
 
 @dataclass
@@ -734,8 +850,9 @@ def save_best(config: TrainConfig, accelerator, run: Run, inputs: Inputs, metric
         shutil.rmtree(old, ignore_errors=True)
         record = {"step": run.progress.step, "eval": metrics,
                   "wall_seconds": round(time.perf_counter() - run.t_start, 1)}
-        save_drafter(config, accelerator, run.objective, inputs.lora_target, record, data_info(config, inputs),
-                     folder=tmp, push=False)
+        with disk_full_named(config, best, "the best drafter", partial=tmp):
+            save_drafter(config, accelerator, run.objective, inputs.lora_target, record, data_info(config, inputs),
+                         folder=tmp)
         if best.exists():
             os.replace(best, old)
         os.replace(tmp, best)
@@ -748,15 +865,19 @@ def after_step(config: TrainConfig, accelerator, inputs: Inputs, run: Run, log: 
     """Evaluate, log, checkpoint, keep the best; the reason to stop the loop here, if any."""
     progress, total = run.progress, inputs.total_steps
     stop = None
-    if config.eval_every and progress.step % config.eval_every == 0 and progress.step < total:
-        metrics = evaluate(config, accelerator, run.objective, inputs.eval_set, inputs.eval_features, inputs.pad_id)
+    evaluating = config.eval_every and progress.step % config.eval_every == 0 and progress.step < total
+    saving = config.save_every and progress.step % config.save_every == 0
+    if evaluating or saving:
+        check_weights(config, run, progress.step)
+    if evaluating:
+        metrics = checked_evaluation(config, accelerator, inputs, run)
         record.update({f"eval/{k}": v for k, v in metrics.items()})
         accelerator.log({f"eval/{k}": v for k, v in metrics.items()}, step=progress.step)
         log.say(f"[eval] step {progress.step}: {json.dumps(metrics)} ({ESTIMATE_NOTE})")
         if track_best(config, accelerator, inputs, run, metrics, log.say):
             stop = "stopped_early"
     log.write(progress, record, pace)
-    if config.save_every and progress.step % config.save_every == 0:
+    if saving:
         save_checkpoint(config, accelerator, progress.step, inputs.fingerprints)
     if config.halt_after_steps and progress.step >= config.halt_after_steps:
         return "halted"  # as if killed: no final evaluation, no drafter folder
@@ -765,6 +886,17 @@ def after_step(config: TrainConfig, accelerator, inputs: Inputs, run: Run, log: 
                 "ending the run here")
         return "out_of_time"  # ends like max_steps: final evaluation and drafter folder
     return stop
+
+
+def checked_evaluation(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> dict:
+    """`evaluate` on the held-out split; a non-finite eval_loss stops the run as a non-finite training loss
+    does, rather than reporting the simulated_tau of 1.0 that NaN predictions score."""
+    metrics = evaluate(config, accelerator, run.objective, inputs.eval_set, inputs.eval_features, inputs.pad_id)
+    loss = metrics.get("eval_loss")
+    if loss is not None and not math.isfinite(loss):
+        raise FloatingPointError(diverged(config, run.progress.step, f"the held-out eval_loss is {loss}",
+                                          "this evaluation's drafter was not kept"))
+    return metrics
 
 
 def train_loop(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> dict:
@@ -781,15 +913,15 @@ def train_loop(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> di
         while progress.batch < usable and progress.step < total and stop is None:
             batch = make_batch(config, inputs.train_set, batches[progress.batch], inputs.pad_id, accelerator.device)
             pace.batch(batch)
-            loss, logs = micro_step(config, accelerator, run.objective, run.optimizer, run.params, batch,
-                                    feature_batch(inputs.train_features, batch))
+            loss, logs = micro_step(config, accelerator, run, batch, feature_batch(inputs.train_features, batch),
+                                    progress.step + 1)
             progress.batch += 1
             progress.assistant_tokens_seen += int(batch["loss_mask"].sum())
             if not accelerator.sync_gradients:
                 continue
             run.scheduler.step()
             progress.step += 1
-            record = {"step": progress.step, "loss": float(loss.detach()), "lr": run.scheduler.get_last_lr()[0],
+            record = {"step": progress.step, "loss": loss, "lr": run.scheduler.get_last_lr()[0],
                       **pace.stepped(progress.step), **{k: float(v) for k, v in logs.items()}}
             stop = after_step(config, accelerator, inputs, run, log, pace, record)
         if progress.batch >= usable:
@@ -806,7 +938,8 @@ def train_loop(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> di
 def finish(config: TrainConfig, accelerator, inputs: Inputs, run: Run, result: dict) -> None:
     """The final evaluation (which may still be the best) and the drafter folder."""
     progress = run.progress
-    metrics = evaluate(config, accelerator, run.objective, inputs.eval_set, inputs.eval_features, inputs.pad_id)
+    check_weights(config, run, progress.step)
+    metrics = checked_evaluation(config, accelerator, inputs, run)
     result.update(eval=metrics, wall_seconds=round(time.perf_counter() - run.t_start, 1))
     if accelerator.is_main_process and metrics:
         print(f"[eval] final step {progress.step}: {json.dumps(metrics)}\n[eval] est_accept_len* and "
@@ -827,6 +960,8 @@ def train(config: TrainConfig) -> dict:
     t_start = time.perf_counter()
     validate(config)  # again: a TrainConfig built in Python has not been through load_config
     accelerator = make_accelerator(config)
+    if config.push_to_hub and accelerator.is_main_process:
+        check_push(config.push_to_hub)  # the Hub answers and takes the token, before the run's hours
     checkpoint = prepare_output_dir(config, accelerator)
     set_seed(config.seed)
     # 1. data, target, drafter and features (online, or an offline cache built once).
@@ -843,6 +978,7 @@ def train(config: TrainConfig) -> dict:
         finish(config, accelerator, inputs, run, result)
     accelerator.wait_for_everyone()
     accelerator.end_training()
+    check_uploaded(config, result)
     return result
 
 
