@@ -163,6 +163,96 @@ def test_repeated_ids_are_answered_once(tmp_path):
     assert by_id(tmp_path / "o.jsonl")["c0"]["messages"][0]["content"] == "question 0"  # the first row's
 
 
+def test_a_resume_onto_a_file_without_its_last_newline_appends_after_one(tmp_path):
+    data = load_rows(write_data(tmp_path / "d.jsonl", 6))
+    out = tmp_path / "o.jsonl"
+    regenerate(StandIn(), char_tokenizer(), data, out, max_samples=2, progress=False)
+    out.write_bytes(out.read_bytes().rstrip(b"\n"))  # saved by an editor that drops the final newline
+    counts = regenerate(StandIn(), char_tokenizer(), data, out, max_samples=4, progress=False)
+    assert counts["skipped_done"] == 2 and counts["written"] == 2
+    # before, the first new record was glued onto the last line, and this resume refused the file as damaged
+    counts = regenerate(StandIn(), char_tokenizer(), data, out, progress=False)
+    assert counts["skipped_done"] == 4 and sorted(by_id(out)) == [f"c{i}" for i in range(6)]
+
+
+def test_a_resume_on_edited_data_is_refused_naming_the_data(tmp_path):
+    """An Alpaca row's id is its row number: with a row inserted at the top, a resume would skip the new prompt
+    under an id already answered (for the old row 0) and answer nothing new for it."""
+    rows = [{"instruction": f"question {i}", "input": "", "output": "old"} for i in range(4)]
+    path = tmp_path / "a.json"
+    path.write_text(json.dumps(rows))
+    out = tmp_path / "o.jsonl"
+    regenerate(StandIn(), char_tokenizer(), load_rows(str(path)), out, max_samples=2, run={"data": str(path)},
+               progress=False)
+    before = out.read_bytes()
+    path.write_text(json.dumps([{"instruction": "a new first question", "input": "", "output": "old"}, *rows]))
+    with pytest.raises(ValueError, match=f"holds answers to other rows than {path} has now .*Restore the data"):
+        regenerate(StandIn(), char_tokenizer(), load_rows(str(path)), out, run={"data": str(path)}, progress=False)
+    assert out.read_bytes() == before
+    path.write_text(json.dumps(rows))  # restored: the resume goes on
+    counts = regenerate(StandIn(), char_tokenizer(), load_rows(str(path)), out, run={"data": str(path)},
+                        progress=False)
+    assert counts["skipped_done"] == 2 and counts["written"] == 2
+
+
+SYSTEM = {"role": "system", "content": "be brief"}
+PARTS = [{"type": "text", "text": "question"}]
+
+
+@pytest.mark.parametrize("messages, fragment", [
+    ([{"role": "user", "content": None}], r"row 1 \(id 'b'\): message 0 \(user\) has content None, not text"),
+    ([{**SYSTEM, "content": None}, {"role": "user", "content": "q"}], r"message 0 \(system\) has content None"),
+    ([{"role": "user", "content": PARTS}], r"message 0 \(user\) has content as a list of 1 parts, not text"),
+    ([{"role": "user", "content": "q"}, {"role": "assistant", "content": PARTS}], r"message 1 \(assistant\) has "
+     r"content as a list of 1 parts"),
+])
+def test_rows_training_refuses_are_refused_by_regeneration_alike(tmp_path, messages, fragment):
+    """Regeneration keeps the prompts as they are, so a prompt training refuses would be answered and then refused
+    when the answers are trained on (a list of content parts was rendered as its Python text)."""
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "yo"}]},
+            {"id": "b", "messages": [*messages, {"role": "assistant", "content": "yo"}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    from train.data import build_samples
+
+    with pytest.raises(ValueError, match=fragment):
+        build_samples(load_rows(str(path)), char_tokenizer(), 512)
+    out = tmp_path / "o.jsonl"
+    with pytest.raises(ValueError, match=fragment):
+        regenerate(StandIn(), char_tokenizer(), load_rows(str(path)), out, progress=False)
+    assert not out.exists() or out.read_text() == ""
+
+
+def test_a_null_reply_is_answered_by_regeneration_and_refused_by_training(tmp_path):
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None}]}]
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(rows[0]) + "\n")
+    from train.data import build_samples
+
+    with pytest.raises(ValueError, match="regenerate the replies with train.regenerate"):
+        build_samples(load_rows(str(path)), char_tokenizer(), 512)
+    regenerate(StandIn(reply="an answer"), char_tokenizer(), load_rows(str(path)), tmp_path / "o.jsonl",
+               progress=False)
+    assert by_id(tmp_path / "o.jsonl")["a"]["messages"][1]["content"] == "an answer"
+    samples, _ = build_samples(load_rows(str(tmp_path / "o.jsonl")), char_tokenizer(), 512)
+    assert len(samples) == 1
+
+
+@pytest.mark.parametrize("first_has_id", [True, False])
+def test_rows_with_and_without_ids_are_refused_not_merged(tmp_path, first_has_id):
+    """A row without an id is answered under its row number, which another row's id can be: the row numbered 1
+    and the row with id "1" were taken for one, and the second dropped as a duplicate."""
+    lacks, has = (1, 0) if first_has_id else (0, 1)
+    rows = [None, None]
+    rows[has] = {"id": str(lacks), "messages": [{"role": "user", "content": "question"}]}
+    rows[lacks] = {"messages": [{"role": "user", "content": "another question"}]}
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ValueError, match=f"row {lacks} has no id \\(id\\) but row {has} has id '{lacks}'.*give every "
+                                         "row an id"):
+        regenerate(StandIn(), char_tokenizer(), load_rows(str(path)), tmp_path / "o.jsonl", progress=False)
+
+
 THINKING = CHATML + "{% if add_generation_prompt and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}"
 
 

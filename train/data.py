@@ -3,9 +3,10 @@
 Rows are read with `datasets` (a hub id or a local .json/.jsonl/.parquet file, JSON optionally gzipped) in one of three formats,
 detected from the columns: ShareGPT (`conversations` of `from`/`value`), OpenAI (`messages` of
 `role`/`content`) or Alpaca (`instruction`/`input`/`output`). Each conversation is rendered with the
-target tokenizer's own chat template. Nothing is dropped or guessed silently: a malformed JSON line, a
-role outside ROLES (ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message
-without text are errors that name the line or the row.
+target tokenizer's own chat template. Nothing is dropped or guessed silently: a malformed JSON line, a file
+that is not UTF-8, damaged gzip or parquet, a row in another format than the rest, a role outside ROLES
+(ShareGPT speaker names are mapped by SHAREGPT_ROLES) and a message without text (null, or a list of content
+parts) are errors that name the file and line or the row.
 
 OpenAI rows may use tools: assistant `tool_calls` (a turn that only calls tools has no text), tool results
 with `tool_call_id`/`name`, and a `tools` column of function schemas, which the chat template is given. The
@@ -27,9 +28,11 @@ from __future__ import annotations
 import array
 import gzip
 import hashlib
+import io
 import json
 import random
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -48,9 +51,38 @@ LOCAL_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
 
 def read_text(path: str | Path) -> str:
-    """A text file's contents, gunzipped where its name ends in .gz."""
+    """A UTF-8 text file's contents, gunzipped where its name ends in .gz; a file that is not whole gzip or not
+    UTF-8 is refused naming it and the line where it breaks."""
     path = Path(path)
-    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+    raw = gunzip(path) if path.suffix == ".gz" else path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        raise ValueError(f"{path}: line {line} is not UTF-8 text (byte {raw[err.start]:#04x}); save the file as "
+                         "UTF-8 (e.g. `iconv -f latin1 -t utf-8`, if it is Latin-1)") from None
+
+
+def gunzip(path: Path) -> bytes:
+    """The decompressed bytes of a .gz file. A file cut short or damaged is refused naming the line of the text
+    after which it breaks, so that what was read can be told from what was lost."""
+    out = io.BytesIO()
+    try:
+        with gzip.open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                out.write(chunk)
+    except gzip.BadGzipFile as err:
+        if out.tell() == 0 and "Not a gzipped file" in str(err):
+            raise ValueError(f"{path} is not gzip-compressed although its name ends in .gz; rename it without .gz "
+                             "or compress it with gzip") from None
+        lost = err
+    except (EOFError, zlib.error) as err:
+        lost = err
+    else:
+        return out.getvalue()
+    whole = out.getvalue().count(b"\n")
+    raise ValueError(f"{path} is damaged gzip ({lost}): it breaks after line {whole} of its text; compress it again "
+                     "from the original, or download it again") from None
 
 
 def load_rows(source: str, split: str = "train"):
@@ -68,11 +100,27 @@ def load_rows(source: str, split: str = "train"):
             if text.strip() in ("", "[]"):
                 raise ValueError(f"the dataset {source!r} is empty")
             check_json(text, source)
-        return datasets.load_dataset(LOCAL_SUFFIXES[suffix], data_files=str(path), split="train")
+            return datasets.load_dataset("json", data_files=str(path), split="train")
+        return load_parquet(path)
     if path.exists():
         raise ValueError(f"data {source!r}: local data must be a .json, .jsonl (either may be gzipped: .gz) or "
                          ".parquet file")
     return datasets.load_dataset(source, split=split)
+
+
+def load_parquet(path: Path):
+    """A local parquet file as a Dataset; a damaged one is refused naming it (`datasets` reports it as an Arrow
+    error without the file's name)."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        pq.read_metadata(path)  # the footer: a cut, empty or non-parquet file fails here, before datasets' cache
+        return datasets.load_dataset("parquet", data_files=str(path), split="train")
+    except (pa.ArrowException, datasets.exceptions.DatasetGenerationError) as err:
+        raise ValueError(f"data file {str(path)!r} is not a readable parquet file ({err}); write it again, or give "
+                         "the rows as .json/.jsonl") from None
 
 
 def check_json(text: str, source: str) -> None:
@@ -85,17 +133,74 @@ def check_json(text: str, source: str) -> None:
             raise ValueError(f"{where} is a JSON {type(row).__name__}, not an object with the row's fields")
 
 
-def detect_format(columns) -> str:
+# each format: the column that marks a row as written in it, and how errors call it
+LAYOUTS = {"sharegpt": ("conversations", "ShareGPT"), "messages": ("messages", "OpenAI messages"),
+           "alpaca": ("instruction", "Alpaca")}
+
+
+def detect_format(columns, rows=None) -> str:
+    """The format of rows with these columns. Where they hold the columns of several formats (a file mixing them:
+    the rows of one hold null in the others' columns) and `rows` are given, the format most rows are in, so that
+    `check_layout` names the rows that differ, not the first of the others."""
     columns = set(columns)
-    if "conversations" in columns:
-        return "sharegpt"
-    if "messages" in columns:
-        return "messages"
-    if {"instruction", "output"} <= columns:
-        return "alpaca"
-    raise ValueError(
-        f"cannot tell the data format from columns {sorted(columns)}: expected 'conversations' "
-        "(ShareGPT, from/value), 'messages' (OpenAI, role/content) or 'instruction'+'output' (Alpaca)")
+    found = [fmt for fmt in ("sharegpt", "messages") if LAYOUTS[fmt][0] in columns]
+    found += ["alpaca"] if {"instruction", "output"} <= columns else []
+    if not found:
+        raise ValueError(
+            f"cannot tell the data format from columns {sorted(columns)}: expected 'conversations' "
+            "(ShareGPT, from/value), 'messages' (OpenAI, role/content) or 'instruction'+'output' (Alpaca)")
+    if len(found) == 1 or rows is None:
+        return found[0]
+    counts = layout_counts(rows, found)
+    return max(found, key=lambda fmt: counts[fmt])  # a tie keeps the order above
+
+
+def layout_counts(rows, formats: list[str]) -> dict[str, int]:
+    """How many rows hold each format's column (not null), read as Arrow where `rows` is a Dataset."""
+    columns = [LAYOUTS[fmt][0] for fmt in formats]
+    if not hasattr(rows, "with_format"):
+        return {fmt: sum(r.get(c) is not None for r in rows) for fmt, c in zip(formats, columns, strict=True)}
+    counts = dict.fromkeys(formats, 0)
+    for batch in rows.select_columns(columns).with_format("arrow").iter(batch_size=10_000):
+        for fmt, column in zip(formats, columns, strict=True):
+            counts[fmt] += len(batch) - batch.column(column).null_count
+    return counts
+
+
+def check_layout(row: dict, fmt: str, where: str) -> None:
+    """A row in another format than the file is read as: its own column is filled, the format's is null."""
+    if row.get(LAYOUTS[fmt][0]) is not None:
+        return
+    for other, (column, label) in LAYOUTS.items():
+        if other != fmt and row.get(column) is not None:
+            raise ValueError(f"{where} is a {label} row ({column!r}), not {LAYOUTS[fmt][1]} ({LAYOUTS[fmt][0]!r}) "
+                             "as the file is read (the format of most of its rows, or --preset); give every row "
+                             "one format: convert this row, or move it to a file of its own")
+
+
+class RowIds:
+    """The id of each row read in order: its own (the first of `keys` it holds), or its row number in a file whose
+    rows have none. A file where some rows have ids and others not is refused: a row number could equal another
+    row's id, and the two distinct rows would then be taken for one."""
+
+    def __init__(self, keys: tuple[str, ...] = ("id",)):
+        self.keys, self.first = keys, None  # first: (index, own id or None) of the first row read
+
+    def __call__(self, row: dict, index: int) -> str:
+        own = own_id(row, self.keys)
+        if self.first is None:
+            self.first = (index, own)
+        elif (own is None) != (self.first[1] is None):
+            (lacks, _), (has, value) = ((index, own), self.first) if own is None else (self.first, (index, own))
+            raise ValueError(f"row {lacks} has no id ({'/'.join(self.keys)}) but row {has} has id {value!r}: a row "
+                             "number used as an id could equal another row's id; give every row an id, or none (the "
+                             "row numbers are then the ids)")
+        return str(index) if own is None else str(own)
+
+
+def own_id(row: dict, keys: tuple[str, ...] = ("id",)):
+    """The row's id: the first of `keys` it holds not null (`datasets` gives a key another row has as null)."""
+    return next((row[k] for k in keys if row.get(k) is not None), None)
 
 
 def row_name(index: int, row: dict) -> str:
@@ -105,6 +210,8 @@ def row_name(index: int, row: dict) -> str:
 
 def to_messages(row: dict, fmt: str, where: str = "a row") -> list[dict]:
     """One row as a list of {"role", "content"} messages; `where` names the row in errors."""
+    if fmt in LAYOUTS:
+        check_layout(row, fmt, where)
     if fmt == "alpaca":
         for name in ("instruction", "output"):
             if not isinstance(row[name], str):
@@ -191,16 +298,24 @@ def _turns(row: dict, column: str, where: str) -> list[dict]:
     return turns
 
 
-def check_contents(messages: list[dict], where: str) -> None:
-    """Every message must hold text: a null reply would train as an empty one. An assistant turn that calls
-    tools is the exception: its calls are the reply, and OpenAI data gives it no text."""
+def check_contents(messages: list[dict], where: str, replies: bool = True) -> None:
+    """Every message must hold its text as one string. Null would train (or prompt) as an empty message, and a list
+    of content parts is refused rather than rendered, since chat templates differ in what they make of one (some
+    print the list). An assistant turn that calls tools may have null content: its calls are the reply, and
+    OpenAI data gives it no text. `replies=False` (train.regenerate, which writes every other reply anew) accepts
+    null replies too; otherwise it is the same check, so that regeneration answers only rows training accepts."""
     for i, m in enumerate(messages):
-        if m["content"] is None and m.get("tool_calls"):
+        content = m["content"]
+        if isinstance(content, str):
             continue
-        if not isinstance(m["content"], str):
-            fix = ("fill in the reply, drop the row, or regenerate the replies with train.regenerate"
-                   if m["role"] == "assistant" else "fill it in or drop the row")
-            raise ValueError(f"{where}: message {i} ({m['role']}) has content {m['content']!r:.60}, not text; {fix}")
+        if content is None and m["role"] == "assistant" and (m.get("tool_calls") or not replies):
+            continue
+        if isinstance(content, list):
+            raise ValueError(f"{where}: message {i} ({m['role']}) has content as a list of {len(content)} parts, not "
+                             "text; give its text as one string (join the text parts) or drop the row")
+        fix = ("fill in the reply, drop the row, or regenerate the replies with train.regenerate"
+               if m["role"] == "assistant" else "fill it in or drop the row")
+        raise ValueError(f"{where}: message {i} ({m['role']}) has content {content!r:.60}, not text; {fix}")
 
 
 def check_chat_template(tokenizer) -> None:
@@ -309,7 +424,7 @@ def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], 
     """Every row as checked messages; needs no tokenizer, so bad data fails before the target loads."""
     if len(rows) == 0:
         raise ValueError("the dataset is empty")
-    fmt = detect_format(rows.column_names)
+    fmt = detect_format(rows.column_names, rows)
     if max_samples:
         rows = rows.select(range(min(max_samples, len(rows))))
     stats = DataStats(rows=len(rows), extra={"format": fmt})
@@ -325,7 +440,10 @@ def read_conversations(rows, max_samples: int = 0) -> tuple[list[Conversation], 
             raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt "
                              "before it")
         tools = read_tools(row, where) if fmt == "messages" else None
-        out.append(Conversation(str(row.get("id", index)), messages, row.get("finished") is False, tools))
+        # Ids only name rows here (nothing is keyed by them), so a file mixing rows with and without ids trains.
+        own = own_id(row)
+        out.append(Conversation(str(index) if own is None else str(own), messages, row.get("finished") is False,
+                                tools))
     if stats.no_assistant == stats.rows:
         raise ValueError(f"none of the {stats.rows} conversations has an assistant turn; nothing to train on")
     return out, stats
@@ -341,6 +459,19 @@ def conversations_fingerprint(conversations: list[Conversation]) -> str:
         h.update(json.dumps(item, ensure_ascii=False, sort_keys=True).encode())
         h.update(b"\0")
     return f"{len(conversations)} conversations, sha256 {h.hexdigest()[:16]}"
+
+
+def rows_fingerprint(rows) -> str:
+    """The rows as read, before any format is applied: their count and a sha256 over every row's fields.
+    train.regenerate records it beside its output, as training records `conversations_fingerprint` in its
+    checkpoints: a resume skips the ids already answered, and an Alpaca row's id is its row number, so a row
+    inserted or edited in place would leave answers to other prompts under those ids."""
+    h, count = hashlib.sha256(), 0
+    for row in rows:
+        h.update(json.dumps(row, ensure_ascii=False, sort_keys=True, default=str).encode())
+        h.update(b"\0")
+        count += 1
+    return f"{count} rows, sha256 {h.hexdigest()[:16]}"
 
 
 def samples_fingerprint(samples: list[Sample]) -> str:

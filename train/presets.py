@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from .data import detect_format, read_tools, row_name, to_messages
+from .data import RowIds, check_contents, detect_format, read_tools, row_name, to_messages
 
 
 @dataclass
@@ -38,47 +38,36 @@ class Conversation:
 class Preset:
     name: str
     layouts: tuple[tuple[str, ...], ...]  # column sets, any one of which the rows must have
-    read: Callable[[dict, int, str], Conversation]
+    read: Callable[[dict, str], tuple[list[dict], list | None]]  # (row, where) -> (messages, tools)
+    id_keys: tuple[str, ...] = ("id",)  # the columns that hold a row's id, the first not null taken
 
 
-def _id(row: dict, index: int, *keys: str) -> str:
-    for key in keys:
-        if row.get(key) is not None:
-            return str(row[key])
-    return str(index)
-
-
-def _sharegpt(row: dict, index: int, where: str) -> Conversation:
+def _sharegpt(row: dict, where: str) -> tuple[list[dict], None]:
     messages = to_messages(row, "sharegpt", where)
     while messages and messages[0]["role"] == "assistant":  # a fragment's tail, with no prompt before it
         messages.pop(0)
-    return Conversation(_id(row, index, "id"), messages)
+    return messages, None
 
 
-def _ultrachat(row: dict, index: int, where: str) -> Conversation:
+def _ultrachat(row: dict, where: str) -> tuple[list[dict], None]:
     if "messages" in row and row.get("messages") is not None:
-        return Conversation(_id(row, index, "prompt_id", "id"), to_messages(row, "messages", where))
+        return to_messages(row, "messages", where), None
     turns = row["data"]
     if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
         raise ValueError(f"{where}: UltraChat 'data' must be a list of strings (user, assistant, user, ...), "
                          f"got {turns!r:.80}")
     roles = ("user", "assistant")
-    return Conversation(_id(row, index, "id"), [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)])
+    return [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)], None
 
 
-def _openai(row: dict, index: int, where: str) -> Conversation:
+def _openai(row: dict, where: str) -> tuple[list[dict], list | None]:
     # train.data reads the tool fields as training does (calls checked, Arrow's merged-schema nulls dropped)
-    messages = to_messages(row, "messages", where)
-    for i, message in enumerate(messages):
-        if message["role"] == "tool" and not isinstance(message["content"], str):
-            raise ValueError(f"{where}: message {i} (tool) has content {message['content']!r:.60}, not text; a tool "
-                             "result is the prompt of the reply after it")
-    return Conversation(_id(row, index, "id"), messages, read_tools(row, where))
+    return to_messages(row, "messages", where), read_tools(row, where)
 
 
 PRESETS = {p.name: p for p in (
     Preset("sharegpt", (("conversations",),), _sharegpt),
-    Preset("ultrachat", (("prompt_id", "messages"), ("id", "data")), _ultrachat),
+    Preset("ultrachat", (("prompt_id", "messages"), ("id", "data")), _ultrachat, ("prompt_id", "id")),
     Preset("openai", (("messages",),), _openai),
 )}
 CHOICES = ("auto", *PRESETS)
@@ -102,15 +91,18 @@ def check_preset(name: str, columns) -> None:
 
 
 def read_conversations(rows, preset: str = "auto") -> Iterator[Conversation]:
-    """Each row of `rows` (a datasets.Dataset or a list of dicts) as a Conversation, read by `preset`."""
+    """Each row of `rows` (a datasets.Dataset or a list of dicts) as a Conversation, read by `preset`, its
+    messages checked as training checks them (train.data.check_contents), the replies aside: they are written anew."""
     columns = rows.column_names if hasattr(rows, "column_names") else set().union(*(r.keys() for r in rows))
     check_preset(preset, columns)
-    fmt = detect_format(columns) if preset == "auto" else None
+    fmt = detect_format(columns, rows) if preset == "auto" else None
+    ids = RowIds(("id",) if preset == "auto" else PRESETS[preset].id_keys)
     for index, row in enumerate(rows):
         where = row_name(index, row)
         if preset == "auto":
             tools = read_tools(row, where) if fmt == "messages" else None  # as training reads them
-            yield Conversation(_id(row, index, "id"), to_messages(row, fmt, where), tools)
+            messages = to_messages(row, fmt, where)
         else:
-            yield PRESETS[preset].read(row, index, where)
-
+            messages, tools = PRESETS[preset].read(row, where)
+        check_contents(messages, where, replies=False)
+        yield Conversation(ids(row, index), messages, tools)

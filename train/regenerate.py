@@ -9,8 +9,9 @@ see the regenerated earlier ones), batched with left padding, greedy or sampled.
 
 Resumable: records are appended to `--out` one line each, and a restart skips the ids already there (a
 line cut short by a kill is dropped); an id is answered once, for the first row that has it. The settings
-that decide the answers (target, data, dtype, token limit, sampling, format, preset, reasoning) are kept in
-`<out>.settings.json`, and resuming with any of them changed is refused by name before anything loads. With
+that decide the answers (target, data, dtype, token limit, sampling, format, preset, reasoning) and a fingerprint
+of the data's rows are kept in `<out>.settings.json`, and resuming with any of them changed (a row inserted into
+an Alpaca file, whose ids are its row numbers) is refused by name before the target loads. With
 sampling, a resumed run draws different random numbers than an uninterrupted one would have (batches are
 formed anew), so only greedy output is reproducible.
 
@@ -45,15 +46,17 @@ from pathlib import Path
 
 import torch
 
-from .data import load_rows, read_text
+from .data import load_rows, read_text, rows_fingerprint
 from .presets import CHOICES, check_preset, read_conversations
 
 REASONING = ("keep", "drop")  # what --reasoning does with a reply's leading reasoning block
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"  # the tags reasoning models (Qwen3, DeepSeek-R1) write
 
 
-def read_done_ids(out: Path) -> set[str]:
-    """Ids already written; a last line cut short by a kill is removed from the file."""
+def read_done_ids(out: Path, repair: bool = True) -> set[str]:
+    """Ids already written; a line that is not a record with an id is refused. With `repair` the file is left
+    ready to append to: a last line cut short by a kill is removed, and a whole last line without its newline
+    (the file edited by hand) gets one, or the next record would be glued onto it."""
     if not out.exists():
         return set()
     raw = out.read_bytes()
@@ -65,15 +68,24 @@ def read_done_ids(out: Path) -> set[str]:
             continue
         try:
             record = json.loads(line)
-        except json.JSONDecodeError:
+        except ValueError:  # not JSON, or not UTF-8
             if i == len(lines) - 1:  # a partial final line: the kill happened mid-write
                 break
             raise ValueError(f"{out}: line {i + 1} is not JSON; refusing to append to a damaged file") from None
+        if not isinstance(record, dict) or record.get("id") is None:
+            what = "has no 'id'" if isinstance(record, dict) else f"is a JSON {type(record).__name__}"
+            raise ValueError(f"{out}: line {i + 1} {what}, so it is not an answer train.regenerate wrote (one object "
+                             "with an id per line); give --out a file of its own, or a file this command wrote")
         done.add(str(record["id"]))
         keep += len(line) + 1
+    if not repair:
+        return done
     if keep < len(raw):
         with out.open("r+b") as f:
-            f.truncate(min(keep, len(raw)))
+            f.truncate(keep)
+    elif raw and not raw.endswith(b"\n"):
+        with out.open("ab") as f:
+            f.write(b"\n")
     return done
 
 
@@ -95,17 +107,20 @@ def merge_files(sources: list[str | Path], dest: str | Path) -> int:
     return rows
 
 
-def conversation_plan(messages: list[dict]) -> list[dict]:
+def conversation_plan(messages: list[dict], where: str = "a conversation") -> list[dict]:
     """The prompt turns of a conversation with each assistant reply (and a final one) left empty. An assistant
-    turn that calls tools keeps the data's call: the tool results after it answer that call."""
+    turn that calls tools keeps the data's call: the tool results after it answer that call. `where` names the
+    row in errors."""
+    if not messages:
+        raise ValueError(f"{where} has no messages, so no prompt to answer; drop the row")
+    if messages[0]["role"] == "assistant":
+        raise ValueError(f"{where}: the conversation starts with an assistant turn; it needs a prompt before it")
     plan = [dict(m) for m in messages]
     for m in plan:
         if m["role"] == "assistant" and not m.get("tool_calls"):
             m["content"] = None
-    if not plan or plan[-1]["role"] != "assistant":
+    if plan[-1]["role"] != "assistant":
         plan.append({"role": "assistant", "content": None})
-    if plan[0]["role"] == "assistant":
-        raise ValueError("a conversation starts with an assistant turn; it needs a prompt before it")
     return plan
 
 
@@ -242,28 +257,72 @@ def settings_path(out: Path) -> Path:
     return out.with_name(out.name + ".settings.json")
 
 
+def check_out(out: Path) -> None:
+    """`--out` names a file that is there or can be made: not a folder, not under a file."""
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a folder; give the .jsonl file to write (e.g. {out / 'answers.jsonl'})")
+    if settings_path(out).is_dir():
+        raise ValueError(f"{settings_path(out)} is a folder where --out's settings are kept; move it away")
+    parent = next((p for p in out.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"--out {out} cannot be created: {parent} is a file, not a folder; choose another --out")
+
+
+def read_settings(path: Path) -> dict:
+    """The settings recorded beside an output; a damaged file is refused, since it is what a resume checks."""
+    try:
+        saved = json.loads(path.read_text())
+        damage = None if isinstance(saved, dict) else f"a JSON {type(saved).__name__}, not an object"
+    except ValueError as err:  # not JSON, or not UTF-8
+        saved, damage = None, f"not JSON: {err}"
+    if damage:
+        raise ValueError(f"{path} is damaged ({damage}), so whether the answers beside it were written with these "
+                         "settings cannot be checked; restore it, or delete it to record these settings (only if "
+                         "they are the ones the answers were written with). Nothing was changed.")
+    return saved
+
+
 def check_settings(out: str | Path, settings: dict, *, write: bool = True) -> None:
     """A file being resumed must be continued with the settings that wrote it: its answers and the new ones are
     one data set. `settings` (flag name -> value) are recorded beside `out` (<out>.settings.json) and compared
-    on every later run; a difference is refused, naming each flag, before anything loads or is written."""
+    on every later run; a difference is refused, naming each flag, before anything loads or is written. The
+    data's fingerprint (`data_fingerprint`, train.data.rows_fingerprint) is one of them where the rows are read."""
     out = Path(out)
+    check_out(out)
     path = settings_path(out)
     holds_answers = out.exists() and out.stat().st_size > 0
+    saved = read_settings(path) if holds_answers and path.is_file() else {}
     if holds_answers and path.is_file():
-        saved = json.loads(path.read_text())
-        changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in settings.items() if k in saved and saved[k] != v]
+        changed = [f"--{k} {saved[k]!r} -> {v!r}" for k, v in settings.items()
+                   if k in saved and saved[k] != v and k != "data_fingerprint"]
         if changed:
             raise ValueError(f"{out} holds answers written with other settings ({', '.join(changed)}): resume it with "
                              "the settings it was written with, or write to another --out. Nothing was changed.")
+        check_same_data(out, saved, settings)
     elif holds_answers:
         warnings.warn(f"{out} holds answers but no {path.name} (written before settings were recorded): whether "
                       "they were written with these settings cannot be checked; recording these", stacklevel=2)
     if write:
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({**(json.loads(path.read_text()) if holds_answers and path.is_file() else {}),
-                                   **settings}, indent=1) + "\n")
+        tmp.write_text(json.dumps({**saved, **settings}, indent=1) + "\n")
         os.replace(tmp, path)
+
+
+def check_same_data(out: Path, saved: dict, settings: dict) -> None:
+    """Answers are kept by id, and an id can be a row number (Alpaca): a resume on rows edited since would skip
+    the new prompts under ids already answered. Refused, naming the data and the fix."""
+    if "data_fingerprint" not in settings:
+        return
+    if "data_fingerprint" not in saved:
+        warnings.warn(f"{out} was written before the data's fingerprint was recorded: whether its rows changed "
+                      "since cannot be checked; recording them as they are now", stacklevel=3)
+    elif saved["data_fingerprint"] != settings["data_fingerprint"]:
+        data = settings.get("data", saved.get("data", "the data"))
+        raise ValueError(f"{out} holds answers to other rows than {data} has now ({saved['data_fingerprint']} then, "
+                         f"{settings['data_fingerprint']} now): the data changed since, and a resume would skip new "
+                         "or edited rows under ids already answered. Restore the data it was written from, or write "
+                         "to another --out. Nothing was changed.")
 
 
 def answer_settings(*, max_new_tokens: int, temperature: float, top_p: float, out_format: str, seed: int,
@@ -275,13 +334,18 @@ def answer_settings(*, max_new_tokens: int, temperature: float, top_p: float, ou
             "enable_thinking": enable_thinking, "reasoning": reasoning}
 
 
-def plan_work(rows, preset: str, samples: int, done: set[str], max_samples: int) -> tuple[list, dict]:
-    """(id, plan, tools) for every answer still to write, and counts of what was skipped: ids already in the
-    file, and rows whose id an earlier row has (the first is kept: an id names one conversation)."""
+def plan_work(out: Path, rows, *, preset: str, samples: int, max_samples: int, out_format: str,
+              repair: bool = True) -> tuple[list, dict]:
+    """(id, plan, tools) for every answer still to write, and counts of what was skipped: ids already in `out`
+    (read_done_ids, which `repair`s the file), and rows whose id an earlier row has (the first is kept, warned:
+    an id names one conversation). Everything refused here is refused before any answer, and main() calls it
+    with repair=False before the target loads."""
+    done = read_done_ids(out, repair)
     todo, seen, duplicates = [], set(), []
     for index, conv in enumerate(read_conversations(rows, preset)):
         if max_samples and index >= max_samples:
             break
+        plan = conversation_plan(conv.messages, f"row {index} (id {conv.id!r})")
         if conv.id in seen:
             duplicates.append(conv.id)
             continue
@@ -289,11 +353,13 @@ def plan_work(rows, preset: str, samples: int, done: set[str], max_samples: int)
         ids = [conv.id] if samples == 1 else [f"{conv.id}#{k}" for k in range(samples)]
         for sample_id in ids:
             if sample_id not in done:
-                todo.append((sample_id, conversation_plan(conv.messages), conv.tools))
-    if duplicates:
+                todo.append((sample_id, [dict(m) for m in plan], conv.tools))
+    if out_format == "sharegpt":
+        check_sharegpt_fits(todo)
+    if duplicates and repair:
         warnings.warn(f"{len(duplicates)} rows repeat an earlier row's id (first: {duplicates[:3]}); each id is "
                       "answered once, for its first row", stacklevel=3)
-    return todo, {"skipped_duplicate_ids": len(duplicates)}
+    return todo, {"skipped_duplicate_ids": len(duplicates), "skipped_done": len(done)}
 
 
 def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0, max_new_tokens: int = 256,
@@ -326,18 +392,19 @@ def regenerate(model, tokenizer, rows, out: str | Path, *, max_samples: int = 0,
     check_preset(preset, rows.column_names if hasattr(rows, "column_names") else rows[0].keys())
     engines = as_engines(model, tokenizer)
     out = Path(out)
-    check_settings(out, {**(run or {}), **answer_settings(
+    run = dict(run or {})
+    if "data_fingerprint" not in run:  # main() takes it before the target loads
+        run["data_fingerprint"] = rows_fingerprint(rows)
+    check_settings(out, {**run, **answer_settings(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, out_format=out_format, seed=seed,
         samples=samples, preset=preset, enable_thinking=enable_thinking, reasoning=reasoning)})
-    done = read_done_ids(out)
-    todo, counts = plan_work(rows, preset, samples, done, max_samples)
-    if out_format == "sharegpt":
-        check_sharegpt_fits(todo)
+    todo, counts = plan_work(out, rows, preset=preset, samples=samples, max_samples=max_samples,
+                             out_format=out_format)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # Similar prompt lengths in a batch waste less padding.
     todo.sort(key=lambda item: sum(len(m["content"] or "") for m in item[1]))
-    counts.update(skipped_done=len(done), written=0, unfinished=0, tokens=0)
+    counts.update(written=0, unfinished=0, tokens=0)
     renderer = Renderer(tokenizer, enable_thinking)
     settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, reasoning=reasoning)
     batches = [(b, todo[b:b + batch_size]) for b in range(0, len(todo), batch_size)]
@@ -461,10 +528,16 @@ def main(argv=None) -> None:
     data = str(Path(args.data).resolve()) if Path(args.data).exists() else args.data
     run = {"target": args.target, "data": data, "split": args.split, "dtype": args.dtype}
     # Before the data or the target load: a resumed file's settings, then the data's layout.
-    check_settings(args.out, {**run, **answer_settings(**{k: v for k, v in settings.items()
-                                                          if k not in ("max_samples", "batch_size")})}, write=False)
+    answering = answer_settings(**{k: v for k, v in settings.items() if k not in ("max_samples", "batch_size")})
+    check_settings(args.out, {**run, **answering}, write=False)
+    if args.engine == "transformers":
+        check_device(args.device)
     rows = load_rows(args.data, args.split)
     check_preset(args.preset, rows.column_names)
+    run["data_fingerprint"] = rows_fingerprint(rows)
+    check_settings(args.out, {**run, **answering}, write=False)
+    plan_work(Path(args.out), rows, preset=args.preset, samples=args.samples, max_samples=args.max_samples,
+              out_format=args.format, repair=False)
     if args.engine == "vllm":
         from transformers import AutoTokenizer
 
@@ -476,6 +549,21 @@ def main(argv=None) -> None:
         model, tokenizer = load_target(args.target, args.dtype)
         counts = regenerate(model.to(args.device), tokenizer, rows, args.out, run=run, **settings)
     print(json.dumps(counts))
+
+
+def check_device(device: str) -> None:
+    """--device names a device this machine has, said before the data or the target load."""
+    try:
+        where = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"--device {device!r} is not a device ({err}); give cpu, cuda or cuda:N") from None
+    if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA GPU(s) that torch can "
+                         "use; give --device cpu, or run where there is one")
+    if where.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: Apple's MPS is not available here; give --device cpu")
+    if where.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"--device {device}: train.regenerate runs on cpu, cuda or mps")
 
 
 @contextlib.contextmanager
