@@ -74,8 +74,8 @@ def read_done_ids(out: Path, repair: bool = True) -> set[str]:
             raise ValueError(f"{out}: line {i + 1} is not JSON; refusing to append to a damaged file") from None
         if not isinstance(record, dict) or record.get("id") is None:
             what = "has no 'id'" if isinstance(record, dict) else f"is a JSON {type(record).__name__}"
-            raise ValueError(f"{out}: line {i + 1} {what}, so it is not an answer train.regenerate wrote (one object "
-                             "with an id per line); give --out a file of its own, or a file this command wrote")
+            raise ValueError(f"{out}: line {i + 1} {what}, so it is not an answer this command wrote (one object "
+                             "with an id per line); give --out a file of its own, or a file it wrote")
         done.add(str(record["id"]))
         keep += len(line) + 1
     if not repair:
