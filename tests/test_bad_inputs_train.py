@@ -397,6 +397,9 @@ CASES = {
     "jsonl.gz cut short": (
         lambda c: load_rows(_write_bytes(c, "d.jsonl.gz", gzip.compress(b'{"messages": []}\n' * 50)[:-30])),
         ValueError, "d.jsonl.gz is damaged gzip"),
+    "hub dataset unreachable": (lambda c: (c.monkeypatch.setenv("HF_DATASETS_OFFLINE", "1"),
+                                           load_rows("no-such-owner/no-such-dataset"))[1], ValueError,
+                                "could not be loaded as a Hugging Face dataset"),
     ".gz that is not gzip": (lambda c: load_rows(_write_bytes(c, "d.jsonl.gz", b'{"messages": []}\n')), ValueError,
                              "d.jsonl.gz is not gzip-compressed although its name ends in .gz"),
     "parquet that is not parquet": (lambda c: load_rows(_write_bytes(c, "d.parquet", b"PAR1 but no more")),

@@ -105,7 +105,23 @@ def load_rows(source: str, split: str = "train"):
     if path.exists():
         raise ValueError(f"data {source!r}: local data must be a .json, .jsonl (either may be gzipped: .gz) or "
                          ".parquet file")
-    return datasets.load_dataset(source, split=split)
+    return load_hub_rows(source, split)
+
+
+def load_hub_rows(name: str, split: str):
+    """A Hugging Face dataset by name (`tatsu-lab/alpaca`), through `datasets` and its cache; where the Hub
+    cannot be reached and nothing is cached, or no such dataset exists, the error names both readings of
+    `name` (a local file, a hub dataset) and what to do."""
+    import datasets
+
+    try:
+        return datasets.load_dataset(name, split=split)
+    except (ConnectionError, datasets.exceptions.DatasetNotFoundError, FileNotFoundError) as err:
+        raise ValueError(
+            f"data {name!r} is no local .json/.jsonl/.parquet file and could not be loaded as a Hugging Face "
+            f"dataset ({type(err).__name__}: {str(err)[:200]}). Check the path or the dataset's name; a hub "
+            "dataset needs the network once (or HF_DATASETS_OFFLINE=1 with it already cached): where offline, "
+            "download it elsewhere and pass the file") from err
 
 
 def load_parquet(path: Path):
