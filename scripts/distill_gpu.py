@@ -1,6 +1,6 @@
 """Self-distillation at scale on one GPU, inside a time budget (train/distill_gpu.py).
 
-    python scripts/distill_gpu.py --prompts ../shared/data/alpaca_5000.json --out runs/gpu_distill \\
+    python scripts/distill_gpu.py --prompts tatsu-lab/alpaca --out runs/gpu_distill \\
         --regen-minutes 3 --train-minutes 3.5
 """
 

@@ -16,7 +16,7 @@
 The steps, the prompt split and the verdicts live here, in the top library layer (the demo trains with train/
 and benchmarks with train/bench/); scripts/demo.py only calls `main`.
 
-Everything stays on this machine: no network, nothing read from ../shared. Outputs go to `--out`
+Everything stays on this machine: no network, nothing read from outside the repository. Outputs go to `--out`
 (runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
 in runs/demo/bench. An interrupted distillation resumes where it stopped; a finished drafter is reused
 unless `--retrain`. Budget knobs (`--num-prompts`, `--train-minutes`, `--bench-questions`) scale it down for a smoke

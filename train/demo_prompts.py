@@ -1,7 +1,7 @@
 """Write `data/demo_prompts.jsonl`: the instruction prompts the demo self-distills on and benchmarks with.
 
 Every prompt is composed here from templates and topic lists written for selfspec (nothing is taken from
-MT-bench, Alpaca or any other data set), so the demo needs neither `../shared` nor the network. Output is
+MT-bench, Alpaca or any other data set), so the demo needs nothing outside the repository and no network. Output is
 deterministic (fixed seed) and in the MT-bench / Spec-Bench question format that `scripts/bench.py` reads:
 one JSON object per line with `question_id`, `category` and `turns` (a list holding one prompt).
 

@@ -1,7 +1,7 @@
 """Self-distillation at scale on one GPU, inside a time budget: the target writes several sampled answers to
 each training prompt, then the EAGLE-3 drafter trains on them and on the greedy answers in data/.
 
-    python scripts/distill_gpu.py --prompts ../shared/data/alpaca_5000.json --out runs/gpu_distill \\
+    python scripts/distill_gpu.py --prompts tatsu-lab/alpaca --out runs/gpu_distill \\
         --regen-minutes 3 --train-minutes 3.5
 
 1. `train.regenerate --samples N` on the first `--max-prompts` prompts (the rest are the held-out prompts of
@@ -51,7 +51,7 @@ def regenerate(args, sampled: Path) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--prompts", required=True, help="Alpaca-style prompts (../shared/data/alpaca_5000.json)")
+    parser.add_argument("--prompts", required=True, help="Alpaca-style prompts: a local file or a hub dataset (tatsu-lab/alpaca)")
     parser.add_argument("--out", required=True, help="folder for the data, the runs and distill.json")
     parser.add_argument("--target", default="smollm2-135m-instruct")
     parser.add_argument("--config", default=str(ROOT / "configs" / "smollm2_eagle3_gpu.yaml"))

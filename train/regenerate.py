@@ -4,7 +4,7 @@ A drafter is trained to predict the target, so the best training text is what th
 This replaces every assistant turn of a dataset with the target's own reply (turn by turn, so later turns
 see the regenerated earlier ones), batched with left padding, greedy or sampled.
 
-    python -m train.regenerate --target smollm2-135m-instruct --data ../shared/data/alpaca_5000.json \\
+    python -m train.regenerate --target smollm2-135m-instruct --data data/alpaca_smollm2_regenerated.jsonl \\
         --out runs/data/alpaca_smollm2.jsonl --max_samples 500 --max_new_tokens 256
 
 Resumable: records are appended to `--out` one line each, and a restart skips the ids already there (a

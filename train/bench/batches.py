@@ -2,7 +2,7 @@
 as it loads, which drafts a call of several rows only where drafting is predicted faster at that batch size
 (`SelfSpecModel(draft_batches=None)`), and the same drafter drafting every batch (`draft_batches=True`).
 
-    python scripts/bench_batches.py --questions ../shared/data/mt_bench.jsonl --batches 2 4 8 --out batches.json
+    python scripts/bench_batches.py --questions data/mt_bench.jsonl --batches 2 4 8 --out batches.json
 
 Questions are taken in order, as many a call as the batch size (left-padded), and every method runs each batch
 before the next batch starts, so a slow phase of the machine hits all of them alike. The first batch of each size

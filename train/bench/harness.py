@@ -27,7 +27,7 @@ def load_questions(path: str | Path, limit: int = 0, categories: list[str] | Non
     each category, then to the first `limit`."""
     if not Path(path).is_file():
         raise FileNotFoundError(f"no question file at {path}; pass --questions with an MT-bench/Spec-Bench jsonl "
-                                "file, e.g. ../shared/data/mt_bench.jsonl")
+                                "file, e.g. data/mt_bench.jsonl")
     questions = []
     with open(path) as f:
         for n, line in enumerate(f, 1):
