@@ -192,8 +192,10 @@ def resolve_target(name_or_path: str | os.PathLike, **hf_kwargs) -> tuple[PreTra
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, **hf_kwargs)
     except OSError as err:
-        if not beside_a_local_folder(folder):
+        if embedded_target or Path(folder).is_dir():  # a folder that is there but does not load: its own error
             raise
+        # a name that could be a hub id is a local path too: a mistyped one is said first, then what the hub said
+        # (often only that it could not be reached)
         raise FileNotFoundError(f"no such folder: {str(folder)!r} (the target; looked for {Path(folder).absolute()}, "
                                 f"and as a hub id: {err}); {TARGET_FIX}") from err
     tokenizer = AutoTokenizer.from_pretrained(folder, **tokenizer_kwargs)

@@ -35,6 +35,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -55,6 +56,8 @@ from .verify import Acceptance, accept_drawn, accept_greedy, accept_sampled, acc
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 # Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
 VERIFY_ROOM = VERIFY_BUCKETS[-1]
+# The default of generate's eos_token_id and pad_token_id: not given, as distinct from given as None.
+NOT_GIVEN = object()
 
 
 def verify_bucket(nodes: int) -> int:
@@ -214,7 +217,8 @@ class Engine:
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                  max_new_tokens: int | None = None, do_sample: bool | None = None,
                  temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
-                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None, streamer=None,
+                 eos_token_id: int | list[int] | None = NOT_GIVEN, pad_token_id: int | None = NOT_GIVEN,
+                 streamer=None,
                  generation_config: GenerationConfig | None = None,
                  generator: torch.Generator | None = None, **settings) -> torch.Tensor:
         """Like `target.generate`: returns [B, prompt + new] with rows that stop early padded.
@@ -223,8 +227,10 @@ class Engine:
         `GenerationConfig` field, e.g. `min_new_tokens=4`), then `generation_config`, then the target's own
         generation config, then transformers' defaults (`TRANSFORMERS_DEFAULTS`: greedy; when sampling,
         temperature 1, top_k 50, top_p 1). So a target whose generation config samples is sampled with its
-        settings. Settings whose output could differ from `target.generate`'s, and requests for more than the
-        token ids (`output_scores`, `return_dict_in_generate`, ...) or for `max_time`, are refused by name.
+        settings. As in transformers, `eos_token_id=None` given means no eos (left out: the configs'), and
+        `pad_token_id=None` given pads with the first eos. Settings whose output could differ from
+        `target.generate`'s, and requests for more than the token ids (`output_scores`, `return_dict_in_generate`,
+        ...) or for `max_time`, are refused by name.
         """
         if generator is not None and not isinstance(generator, torch.Generator):
             raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
@@ -517,8 +523,10 @@ class Engine:
         if max_new <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new}")
         vocab = self.target.config.get_text_config().vocab_size
-        eos = _token_ids(pick(eos_token_id, "eos_token_id"), "eos_token_id", vocab)
-        pad = pick(pad_token_id, "pad_token_id")
+        # given as None, eos and pad are unset over the configs' (transformers sets the call's keywords last)
+        eos = _token_ids(pick(None, "eos_token_id") if eos_token_id is NOT_GIVEN else eos_token_id, "eos_token_id",
+                         vocab)
+        pad = pick(None, "pad_token_id") if pad_token_id is NOT_GIVEN else pad_token_id
         pad = (eos[0] if eos else 0) if pad is None else _token_ids(pad, "pad_token_id", vocab, single=True)[0]
         min_new = _int_like(pick(None, "min_new_tokens") or 0, "min_new_tokens")
         if min_new < 0:
@@ -555,6 +563,9 @@ class Engine:
     def _check_inputs(self, input_ids, attention_mask, streamer):
         if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:
             raise TypeError("input_ids must be a LongTensor of token ids, shape [batch, prompt_len]")
+        if input_ids.device.type == "meta":
+            raise ValueError("input_ids are on the meta device, which holds no values; pass token ids on the "
+                             "target's device (or the CPU)")
         if input_ids.dim() == 1:
             input_ids = input_ids[None]
         if input_ids.dim() != 2 or input_ids.shape[1] == 0 or input_ids.shape[0] == 0:
@@ -570,9 +581,14 @@ class Engine:
         if attention_mask.shape != input_ids.shape:
             raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} != input_ids shape "
                              f"{tuple(input_ids.shape)}")
-        attention_mask = attention_mask.to(input_ids.device).long()
-        if ((attention_mask != 0) & (attention_mask != 1)).any():
-            raise ValueError("attention_mask must hold only 0 (padding) and 1 (token)")
+        if attention_mask.device.type == "meta":
+            raise ValueError("attention_mask is on the meta device, which holds no values; pass a tensor of 0s and "
+                             "1s on input_ids' device")
+        attention_mask = attention_mask.to(input_ids.device)
+        if ((attention_mask != 0) & (attention_mask != 1)).any():  # before .long(), which would truncate 0.5 to 0
+            raise ValueError(f"attention_mask must hold only 0 (padding) and 1 (token), got values such as "
+                             f"{attention_mask[(attention_mask != 0) & (attention_mask != 1)][0].item()}")
+        attention_mask = attention_mask.long()
         lengths = attention_mask.sum(1)
         if (lengths == 0).any():
             raise ValueError("a prompt in the batch is empty (attention_mask all zero)")
@@ -663,6 +679,9 @@ def _with_keywords(generation_config, settings: dict) -> GenerationConfig | None
         raise TypeError(f"generation_config must be a GenerationConfig, got {type(generation_config).__name__}")
     if not settings:
         return generation_config
+    # refused in our words before GenerationConfig.update validates them in its own (which, for
+    # num_return_sequences, speaks of greedy search whatever do_sample the call passed)
+    _refuse_unsupported(SimpleNamespace(**settings), "the call")
     merged = copy.deepcopy(generation_config) if generation_config is not None else GenerationConfig()
     unknown = merged.update(**settings)
     if unknown:

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .calibrate import calibrated_tree, predict_batch
 from .options import EngineOptions, Plan
-from .tuning.plan import check_target, plan, prepack_for
+from .tuning.plan import check_drafter, check_target, plan, prepack_for
 
 # A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
 # estimates good to about 10% (docs/training.md), and where the two are that close no drafts loses little; at two
@@ -27,6 +27,7 @@ def settle(target, drafter, options: EngineOptions) -> Plan:
     checked first, then `tree="calibrated"` chosen for this machine, then the drafter, kernels and forwards, and
     for a trained drafter with acceptance statistics, `draft_batches=None` predicted per batch size."""
     check_target(target, options)
+    check_drafter(drafter)
     prepack = prepack_for(target, options.cpu_prepack)
     tree = options.tree
     if tree == "calibrated" and hasattr(drafter, "as_drafter"):  # as_drafter refuses any other drafter

@@ -89,6 +89,14 @@ def target():
     return tiny_model("llama")
 
 
+def nan_target():
+    """The tiny llama with one NaN in a weight (a damaged checkpoint loaded without complaint)."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    return model
+
+
 def gen(target, ids=IDS, **kwargs):
     return SelfSpecModel(target, "ngram").generate(ids, **kwargs)
 
@@ -98,6 +106,9 @@ ROWS = [
     ("target is not a model", lambda t: SelfSpecModel("llama", "ngram"), TypeError, "target must be a transformers causal LM"),
     ("unknown drafter name", lambda t: SelfSpecModel(t, "hydra"), ValueError, "unknown drafter 'hydra'; the named drafters are: ngram[:<longest n-gram>], gguf"),
     ("drafter of a wrong type", lambda t: SelfSpecModel(t, 3), TypeError, "cannot draft with a int"),
+    ("a drafter class, not a drafter", lambda t: SelfSpecModel(t, __import__("heads").Eagle3Model), TypeError, "drafter is the class Eagle3Model, not a drafter: pass an instance"),
+    ("a misspelt drafter name", lambda t: SelfSpecModel(t, "ngrm"), ValueError, "unknown drafter 'ngrm' (did you mean 'ngram'?); the named drafters are"),
+    ("int8 drafter over a target holding a NaN", lambda t: SelfSpecModel(nan_target(), "int8").generate(IDS, max_new_tokens=4), ValueError, "the target's weight model.layers.0.mlp.down_proj.weight holds NaN or infinite values, so the 'int8' drafter"),
     ("early_exit without a layer count", lambda t: SelfSpecModel(t, "early_exit"), ValueError, "write early_exit:<layers>"),
     ("early_exit with a word", lambda t: SelfSpecModel(t, "early_exit:half"), ValueError, "write early_exit:<layers>"),
     ("early_exit at the layer count", lambda t: SelfSpecModel(t, "early_exit:4"), ValueError, "must keep between 1 and 3 of the target's 4 layers"),
@@ -148,6 +159,9 @@ ROWS = [
     ("right padding", lambda t: gen(t, attention_mask=torch.tensor([[1, 1, 1, 1, 0, 0]]), max_new_tokens=4), ValueError, "left-padded"),
     ("mask as a list", lambda t: gen(t, attention_mask=[[1] * 6], max_new_tokens=4), TypeError, "attention_mask must be a tensor"),
     ("mask of counts", lambda t: gen(t, attention_mask=torch.full((1, 6), 2), max_new_tokens=4), ValueError, "attention_mask must hold only 0 (padding) and 1"),
+    ("mask of halves", lambda t: gen(t, attention_mask=torch.full((1, 6), 0.5), max_new_tokens=4), ValueError, "attention_mask must hold only 0 (padding) and 1 (token), got values such as 0.5"),
+    ("input_ids on the meta device", lambda t: gen(t, ids=IDS.to("meta"), max_new_tokens=4), ValueError, "input_ids are on the meta device, which holds no values"),
+    ("mask on the meta device", lambda t: gen(t, attention_mask=torch.ones(1, 6, dtype=torch.long, device="meta"), max_new_tokens=4), ValueError, "attention_mask is on the meta device"),
     ("all-padding row", lambda t: gen(t, attention_mask=torch.zeros(1, 6, dtype=torch.long), max_new_tokens=4), ValueError, "empty"),
     ("ids outside the vocabulary", lambda t: gen(t, ids=torch.tensor([[5, 999]]), max_new_tokens=4), ValueError, "outside the target's vocabulary"),
     ("prompt filling the context", lambda t: gen(t, ids=torch.full((1, 256), 5), max_new_tokens=4), ValueError, "leaves no room in the target's context of 256"),
@@ -179,6 +193,7 @@ ROWS = [
     ("repetition penalty", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, repetition_penalty=1.3)), ValueError, "repetition_penalty"),
     ("no-repeat n-grams", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, no_repeat_ngram_size=2)), ValueError, "no_repeat_ngram_size"),
     ("beam search", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, num_beams=2)), ValueError, "num_beams"),
+    ("several sampled sequences as keywords", lambda t: gen(t, max_new_tokens=4, do_sample=True, num_return_sequences=2), ValueError, "the call sets {'num_return_sequences': 2}; SelfSpecModel applies"),
     ("several sequences per prompt", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, num_return_sequences=2, do_sample=True)), ValueError, "num_return_sequences"),
     ("multi-token bad words", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, bad_words_ids=[[5, 9]])), ValueError, "bad_words_ids with sequences of more than one token"),
     ("min_p", lambda t: gen(t, generation_config=GenerationConfig(max_new_tokens=4, min_p=0.1, do_sample=True)), ValueError, "min_p"),
@@ -208,7 +223,13 @@ ROWS = [
     ("bench results that are not JSON", lambda t, tmp: publish.measured_metrics(bench_result(tmp, "{oops"), None), ValueError, "is not valid JSON"),
     ("bench results of another shape", lambda t, tmp: publish.measured_metrics(bench_result(tmp, '{"methods": []}'), None), ValueError, "is not a scripts/bench.py results.json"),
     # ---- script flags: refused by name before any model loads
-    ("bench: a misspelt drafter name", lambda t, tmp: bench_cli(tmp, "--drafter", "ngarm"), ValueError, "unknown drafter 'ngarm'; the named drafters are: ngram"),
+    ("bench: a misspelt drafter name", lambda t, tmp: bench_cli(tmp, "--drafter", "ngarm"), ValueError, "no drafter named 'ngarm' (did you mean 'ngram'?); the named drafters are: ngram"),
+    ("bench: a drafter name that is no folder", lambda t, tmp: bench_cli(tmp, "--drafter", "ngrm"), ValueError, "--drafter 'ngrm': no such local folder (/"),
+    ("bench: --out a file", lambda t, tmp: bench_cli(tmp, "--out", tmp / "q.jsonl"), ValueError, "q.jsonl is a file; give a folder for results.json"),
+    ("bench: --out under a file", lambda t, tmp: bench_cli(tmp, "--out", tmp / "q.jsonl" / "run"), ValueError, "q.jsonl, which is a file, not a folder"),
+    ("bench: --random-target --out a file", lambda t, tmp: cli("bench", "--random-target", "tiny", "--out", questions(tmp, "")), ValueError, "q.jsonl is a file"),
+    ("bench: an Apple GPU", lambda t, tmp: bench_cli(tmp, "--device", "mps"), ValueError, "argument --device: mps: the benchmark runs on the CPU or a CUDA GPU, not on mps devices"),
+    ("bench: a prompt past the random target's context", lambda t, tmp: cli("bench", "--random-target", "tiny", "--prompt-tokens", "100000", "--out", tmp / "o"), ValueError, "--prompt-tokens 100000 + --max-new-tokens 128 do not fit the 2048-position context of the 'tiny' shape"),
     ("bench: no repeats", lambda t, tmp: bench_cli(tmp, "--repeats", "0"), ValueError, "argument --repeats: must be a whole number >= 1, got 0"),
     ("bench: no new tokens", lambda t, tmp: bench_cli(tmp, "--max-new-tokens", "0"), ValueError, "argument --max-new-tokens: must be a whole number >= 1"),
     ("bench: a negative limit", lambda t, tmp: bench_cli(tmp, "--limit", "-1"), ValueError, "argument --limit: must be a whole number >= 0"),
@@ -247,3 +268,17 @@ def test_bad_input_gets_a_clear_error(target, tmp_path, case, make, error, fragm
 
 def test_table_is_large_enough():
     assert len(ROWS) >= 50
+
+
+def test_a_mistyped_relative_target_is_said_to_be_no_folder_before_what_the_hub_said(tmp_path, monkeypatch):
+    """`runs/no_such_target` could be a hub id; with no such folder here that is said first, then the hub's answer
+    (offline: that it could not be reached), never the hub's answer alone."""
+    import huggingface_hub
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"no such folder: 'runs/no_such_target' \(the target; looked for "
+                                                r"/.*, and as a hub id: "):
+        cli("bench", "--questions", questions(tmp_path, '{"question_id": 1, "category": "a", "turns": ["x"]}\n'),
+            "--target", "runs/no_such_target")

@@ -4,6 +4,7 @@ checking, CLI exit codes."""
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -359,3 +360,20 @@ def test_vllm_rows_on_the_embedded_target(tmp_path):
     finally:
         method.close()
     assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+
+
+def test_plots_without_matplotlib_are_skipped_with_a_line_and_the_results_kept(questions_file, tmp_path, monkeypatch,
+                                                                               capsys):
+    folder = tmp_path / "tiny"
+    tiny_target().save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # an install without it: importing it fails
+    out = tmp_path / "run"
+    assert bench.main(["--target", str(folder), "--questions", str(questions_file), "--no-pld", "--limit", "1",
+                       "--max-new-tokens", "4", "--out", str(out), "--threads", "1"]) == 0
+    assert json.loads((out / "results.json").read_text())["methods"] == ["baseline"]
+    assert (out / "results.md").exists() and not (out / "speedup.png").exists()
+    printed = capsys.readouterr()
+    assert "plots skipped: matplotlib is not installed (pip install matplotlib to draw them, or pass --no-plots)" \
+        in printed.err
+    assert "| **overall** | baseline |" in printed.out and "wrote " in printed.out  # the run's report still printed

@@ -119,3 +119,19 @@ def test_an_oracle_row_settles_on_what_the_target_emits_with_it():
         assert new == truth and stats["followed"] == 0
     with pytest.raises(RuntimeError, match="neither row ran"):
         gpu.engine_row(target, ids, "oracle", "", settings, lambda: OracleDrafter(0.9, 8), {}).setup()
+
+
+def test_a_row_that_errors_makes_the_exit_code_nonzero(tmp_path, monkeypatch, capsys):
+    """A row's error is recorded and the other rows still run, but the command does not exit 0."""
+    def broken():
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(gpu, "suite", lambda target, ids, settings, answers: [
+        gpu.hf_row(target, ids, "hf_eager", "transformers", settings), gpu.Row("broken", "a row that fails", broken)])
+    monkeypatch.setattr(gpu, "verify_by_width", lambda target, context, repeats: {})
+    out = tmp_path / "gpu"
+    assert bench.main(["--random-target", "tiny", "--no-compile", "--max-new-tokens", "4", "--prompt-tokens", "8",
+                       "--repeats", "1", "--threads", "1", "--out", str(out)]) == 1
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert rows["broken"]["error"] == "RuntimeError: out of memory" and rows["hf_eager"]["tokens_per_s"] > 0
+    assert "1 row(s) failed: broken (their errors are in results.json); exit code 1" in capsys.readouterr().err

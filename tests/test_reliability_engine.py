@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from conftest import perturbed_copy, tiny_model
+from conftest import greedy_reference, left_padded_prompts, perturbed_copy, tiny_model
 from transformers import GenerationConfig
 
 from infer import SelfSpecModel
@@ -175,3 +175,21 @@ def test_generation_keywords_are_taken_as_transformers_takes_them(target):
     assert got.shape[1] == IDS.shape[1] + 8
     with pytest.raises(TypeError, match="max_new_token"):
         model.generate(IDS, max_new_token=8)
+
+
+def test_eos_and_pad_given_as_none_mean_what_they_mean_to_transformers():
+    """transformers sets the call's keywords over every config: eos_token_id=None is no eos (not the config's), and
+    pad_token_id=None pads with the first eos (not the config's pad); left out, both come from the config."""
+    target = tiny_model("llama")
+    ids, mask = left_padded_prompts(2)
+    free = greedy_reference(target, ids, mask, 12)[:, ids.shape[1]:]
+    eos = next(t for t in free[0, 1:].tolist() if t not in free[1].tolist() and t != 0)  # row 0 stops, row 1 runs
+    target.generation_config.eos_token_id, target.generation_config.pad_token_id = eos, 0
+    model = SelfSpecModel(target, "ngram")
+    outputs = []
+    for given in ({}, {"eos_token_id": None}, {"pad_token_id": None}):
+        want = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=12, **given)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, **given)
+        assert torch.equal(got, want), given
+        outputs.append(got)
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[0], outputs[2])  # three answers

@@ -45,9 +45,19 @@ def _copy_of(target) -> nn.Module:
     return draft
 
 
+def _check_finite(target, name: str) -> None:
+    """A low-precision copy of weights holding NaN or inf drafts from NaN probabilities: refuse the target by name."""
+    for param_name, param in target.named_parameters():
+        if param.is_floating_point() and not bool(torch.isfinite(param).all()):
+            raise ValueError(f"the target's weight {param_name} holds NaN or infinite values, so the '{name}' "
+                             "drafter (a low-precision copy of the target) cannot draft from it, and the target's "
+                             "own outputs are not meaningful either; reload the target from intact weights")
+
+
 def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'bf16' takes no argument, got {arg!r}")
+    _check_finite(target, "bf16")
     return DraftModelDrafter(_copy_of(target).to(torch.bfloat16), num_tokens=MAX_TOKENS, adaptive=True,
                              prompt_kv_from_target=True)
 
@@ -55,6 +65,7 @@ def bf16(arg, target, tokenizer=None) -> DraftModelDrafter:
 def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int8' takes no argument, got {arg!r}")
+    _check_finite(target, "int8")
     if _device(target).type == "cpu":  # Int8Linear: torchao's CPU path is slower than fp32 here
         return DraftModelDrafter(_low_bit(target, lambda w, b, head: Int8Linear(w, b)), num_tokens=MAX_TOKENS,
                                  adaptive=True, lean_quantized=True, prompt_kv_from_target=True)
@@ -71,6 +82,7 @@ def int8(arg, target, tokenizer=None) -> DraftModelDrafter:
 def int4(arg, target, tokenizer=None) -> DraftModelDrafter:
     if arg:
         raise ValueError(f"'int4' takes no argument, got {arg!r}")
+    _check_finite(target, "int4")
     if _device(target).type != "cpu":
         raise ValueError(f"'int4' runs selfspec's CPU kernel, but the target is on {_device(target)}; use "
                          "'int8', 'bf16' or 'gguf' there")

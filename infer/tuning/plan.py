@@ -37,6 +37,14 @@ def check_target(target, options: EngineOptions) -> None:
     check_maskable(target)
 
 
+def check_drafter(drafter) -> None:
+    """Refuse a drafter class passed where a drafter is meant (its classmethods and attributes would half-work)."""
+    if isinstance(drafter, type):
+        raise TypeError(f"drafter is the class {drafter.__name__}, not a drafter: pass an instance (a trained "
+                        "drafter from heads.load(<folder>) or heads.build(<kind>, target); an infer.Drafter made "
+                        "by calling its class)")
+
+
 def prepack_for(target, cpu_prepack: bool | None) -> bool:
     """Whether multi-row matmuls run prepacked: as asked, or for an fp32 CPU target that fits them (None)."""
     prepack = linear.worth_it(target) if cpu_prepack is None else cpu_prepack
@@ -59,6 +67,7 @@ def as_drafter(drafter, target, tokenizer=None, lookup_first: bool | None = None
     `lookup_first`, rows whose context repeats itself take a prompt-lookup chain instead; None = what a heads
     drafter's config says (`scripts/calibrate.py --write` measures it), off for any other drafter. `tree`
     overrides a heads drafter's saved tree settings."""
+    check_drafter(drafter)
     if tree is not None and not hasattr(drafter, "as_drafter"):
         raise ValueError(f"tree= sets the drafting tree of a trained drafter (heads model); a "
                          f"{type(drafter).__name__} has none: drop tree=")

@@ -53,7 +53,7 @@ from pathlib import Path
 
 import torch
 
-from infer.random_target import SHAPES
+from infer.random_target import SHAPES, shape_config
 from train.bench.harness import load_questions, run_bench
 from train.bench.methods import (
     BASELINE,
@@ -105,11 +105,14 @@ def number_in(low: float, high: float | None = None, open_low: bool = False) -> 
 
 
 def device(text: str) -> str:
-    """An argparse type: a device torch knows the name of (cpu, cuda, cuda:1, mps, ...)."""
+    """An argparse type: the CPU or a CUDA device this machine has (cpu, cuda, cuda:1)."""
     try:
         where = torch.device(text)
     except RuntimeError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a torch device; write cpu, cuda or cuda:<index>") from None
+    if where.type not in ("cpu", "cuda"):  # the engine's kernels and captured step are built for these two only
+        raise argparse.ArgumentTypeError(f"{text}: the benchmark runs on the CPU or a CUDA GPU, not on {where.type} "
+                                         "devices; write cpu, cuda or cuda:<index>")
     if where.type == "cuda" and (where.index or 0) >= torch.cuda.device_count():
         raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s); "
                                          "write cpu, or an index below that")
@@ -194,9 +197,23 @@ def random_shape(text: str) -> str:
     return text
 
 
+def check_out(parser: argparse.ArgumentParser, out: str) -> None:
+    """Refuse an --out the results cannot be written into, before any model loads: a file, a folder under a
+    file, or a place without write permission. Nothing is created here."""
+    path = Path(out).expanduser().absolute()
+    if path.exists() and not path.is_dir():
+        parser.error(f"--out {out} is a file; give a folder for results.json, results.md and the plots")
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not existing.is_dir():
+        parser.error(f"--out {out} is under {existing}, which is a file, not a folder; give a folder path")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        parser.error(f"--out {out}: {existing} is not writable; give a folder you can write to")
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    check_out(parser, args.out)
     if args.random_target:
         return _random_target(parser, args, argv)
     if not args.questions:
@@ -246,6 +263,11 @@ def _random_target(parser, args, argv) -> int:
         if given:
             parser.error(f"{flag} needs a real target; --random-target runs its own rows (train/bench/gpu.py)")
     args.repeats = args.repeats or 3
+    context = shape_config(args.random_target).max_position_embeddings
+    if args.prompt_tokens + args.max_new_tokens > context:
+        parser.error(f"--prompt-tokens {args.prompt_tokens} + --max-new-tokens {args.max_new_tokens} do not fit "
+                     f"the {context}-position context of the {args.random_target!r} shape; keep their sum at most "
+                     f"{context}")
     torch.set_num_threads(args.threads or os.cpu_count() or 1)
     return run_random_target(args, argv)
 

@@ -349,4 +349,8 @@ def run_random_target(args, argv=None) -> int:
     (out / "results.md").write_text(to_markdown(result))
     print(to_markdown(result))
     print(f"wrote {out / 'results.json'}, {out / 'results.md'}")
-    return 0
+    failed = [name for name, r in result["rows"].items() if "error" in r]
+    if failed:
+        print(f"{len(failed)} row(s) failed: {', '.join(failed)} (their errors are in results.json); exit code 1",
+              file=sys.stderr)
+    return 1 if failed else 0

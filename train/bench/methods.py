@@ -192,17 +192,20 @@ def split_suffixes(spec: str) -> tuple[str, list[str]]:
 def check_drafter_spec(spec: str) -> None:
     """Refuse, before any model loads, a --drafter that is no named drafter, draft model, folder or hub id."""
     from infer.drafters import DRAFTERS, known
+    from infer.drafters.registry import closest
 
     base, _ = split_suffixes(spec)
     if base.partition(":")[0] in DRAFTERS or base.startswith("draft-model:") or "/" in base or Path(base).exists():
         return
     import heads
 
-    if base in heads.shipped_drafters():
+    shipped = tuple(heads.shipped_drafters())
+    if base in shipped:
         return
-    raise ValueError(f"--drafter {spec!r}: unknown drafter {base!r}; the named drafters are: {known()}; or a saved "
-                     f"drafter folder, a shipped drafter ({', '.join(heads.shipped_drafters()) or 'none'}), "
-                     "draft-model:<path or hub id>, or a hub id (owner/name)")
+    raise ValueError(f"--drafter {spec!r}: no such local folder ({Path(base).absolute()}) and no drafter named "
+                     f"{base!r}{closest(base, shipped)}; the named drafters are: {known()}; or a saved drafter "
+                     f"folder, a shipped drafter ({', '.join(shipped) or 'none'}), draft-model:<path or hub id>, or "
+                     "a hub id (owner/name)")
 
 
 def drafter_method(spec: str, target, tree: dict | None = None, sampling: dict | None = None) -> Method:

@@ -207,7 +207,15 @@ def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> dict
     paths["json"].write_text(json.dumps(result, indent=1) + "\n")
     paths["markdown"].write_text(to_markdown(result))
     if plots:
-        for p in plot(result, out_dir):
+        try:
+            made = plot(result, out_dir)
+        except ModuleNotFoundError as err:  # results.json and results.md are written: the run is kept without them
+            if err.name != "matplotlib":
+                raise
+            print("plots skipped: matplotlib is not installed (pip install matplotlib to draw them, or pass "
+                  "--no-plots)", file=sys.stderr)
+            made = []
+        for p in made:
             paths[p.stem] = p
     return paths
 
