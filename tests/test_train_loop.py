@@ -314,12 +314,13 @@ def test_wandb_offline_writes_run_dir(workspace, monkeypatch):
 
 
 def test_ddp_two_cpu_processes(workspace):
+    """The documented multi-process form: `torchrun --nproc_per_node 2 -m train.cli train ...`."""
     out = workspace["root"] / "ddp"
     env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     # --standalone: a free port for the rendezvous (a fixed one can be taken on a shared machine); one
     # fresh-clone run of the suite hung here with --master_port 29517, and it could not be reproduced.
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           str(ROOT / "train" / "train_heads.py"), f"target={workspace['target']}", f"data={workspace['data']}",
+           "-m", "train.cli", "train", f"target={workspace['target']}", f"data={workspace['data']}",
            "drafter=eagle", "max_steps=4", "batch_size=4", f"output_dir={out}", "progress_bar=false",
            "eval_fraction=0.2", "ttt_steps=2"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import inspect
 import json
 import math
 import os
@@ -982,8 +983,20 @@ def train(config: TrainConfig) -> dict:
     return result
 
 
+def config_keys_help() -> str:
+    """Every key=value setting with its default and the comment beside it in TrainConfig, for --help."""
+    source = inspect.getsource(TrainConfig)
+    lines = ["settings (key=value, or keys of a --config YAML file):"]
+    for match in re.finditer(r"^    (\w+): [^=\n]+= (.+?)(?:  # (.*))?$", source, flags=re.MULTILINE):
+        name, default, comment = match.groups()
+        lines.append(f"  {name} = {default.strip()}" + (f"\n      {comment}" if comment else ""))
+    return "\n".join(lines)
+
+
 def parse_args(argv=None) -> TrainConfig:
-    parser = argparse.ArgumentParser(description="Train a drafter for a frozen target (see train/config.py).")
+    parser = argparse.ArgumentParser(description="Train a drafter for a frozen target (see train/config.py).",
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=config_keys_help())
     parser.add_argument("--config", help="YAML file of overrides to the defaults in train/config.py")
     parser.add_argument("--resume", action="store_true", help="continue from the newest intact checkpoint")
     parser.add_argument("--overwrite", action="store_true",
