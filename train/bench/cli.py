@@ -35,7 +35,7 @@ transformers' `generate(do_sample=True)` with the same settings). Sampled output
 follow the target's distribution, which tests/test_sampling.py checks; every method's run of a question starts
 from the same seed (`--seed` plus the question's place in the run), vLLM rows' too.
 
-    python scripts/bench.py --target smollm2-135m-instruct --questions ../shared/data/mt_bench.jsonl \\
+    python scripts/bench.py --target smollm2-135m-instruct --questions data/mt_bench.jsonl \\
         --drafter ngram --drafter runs/demo/drafter --out runs/bench/mt_bench
 
 Writes `results.json`, `results.md`, `speedup.png` and `accepted_lengths.png` into `--out`.
