@@ -17,7 +17,7 @@ from .options import EngineOptions, Plan
 from .tuning.plan import check_drafter, check_target, plan, prepack_for
 
 # A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
-# estimates good to about 10% (docs/training.md), and where the two are that close no drafts loses little; at two
+# estimates good to about 10% (docs/calibration.md), and where the two are that close no drafts loses little; at two
 # rows on a CPU a prediction a few percent ahead has measured well behind (docs/benchmarks.md, "Batches").
 BATCH_MARGIN = 1.1
 

@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; the benchmark draws from them
 CALIBRATION = 16  # prompts after the training ones, before the held-out tail: the tree is calibrated on them
-# The target's greedy answers to 4,900 Alpaca prompts (docs/training.md), shipped: some of them beside the
+# The target's greedy answers to 4,900 Alpaca prompts (docs/data.md), shipped: some of them beside the
 # answers distilled here let the budget's steps see more different text instead of repeating 144 answers.
 SHIPPED_ANSWERS = ROOT / "data" / "alpaca_smollm2_regenerated.jsonl"
 HAND_TREE = "depth=2,top_k=4,total_tokens=6"  # where too few unused prompts are left to calibrate on
@@ -48,7 +48,7 @@ HAND_TREE = "depth=2,top_k=4,total_tokens=6"  # where too few unused prompts are
 # (docs/benchmarks.md), while the 11 steps a slow machine's budget once planned left one at 0.09.
 MIN_TRAIN_STEPS = 150
 # Held-out top-1 of the first guess below which the demo calls its drafter undertrained: its drafters of 150-299
-# steps reached 0.28-0.35 (docs/benchmarks.md, docs/training.md), the 11-step one 0.09. Whether a drafter pays is
+# steps reached 0.28-0.35 (docs/benchmarks.md, docs/recipe.md), the 11-step one 0.09. Whether a drafter pays is
 # the benchmark's to say, against `none`.
 UNDERTRAINED_TOP1 = 0.2
 # Below this tau fewer than one new token in ten came from a draft: a speed near `none`'s is then the timing's
@@ -215,7 +215,7 @@ def train_drafter(kind: str, data: Path, out: Path, minutes: float) -> dict:
     base = {"target": "smollm2-135m-instruct", "drafter": kind, "data": str(data), "output_dir": str(out)}
     if heads.get_kind(kind).unrolled:
         # One training-time-test step: a step costs a third as much, so the budget trains three times as many
-        # (docs/training.md's sweep: step-0 top-1 0.350 against 0.333 at equal steps, in 2.4 min against
+        # (docs/recipe.md's sweep: step-0 top-1 0.350 against 0.333 at equal steps, in 2.4 min against
         # 7.1), and on this CPU the calibrated tree drafts one level deep, where only step 0 counts.
         base["ttt_steps"] = 1
     load = lambda extra: load_config(config_file if config_file.is_file() else None, {**base, **extra})  # noqa: E731

@@ -15,7 +15,7 @@ Loss masks are the samples' own. Every objective averages its loss per predicted
 so a packed batch gives the loss and gradients of the same samples one per row (tests/test_packing.py).
 
 `python -m train.packing` measures trained tokens per second, packed against one sample per row, on a small
-random Llama on CPU (docs/training.md, "Packed sequences").
+random Llama on CPU (docs/data.md, "Packed sequences").
 """
 
 from __future__ import annotations
