@@ -77,3 +77,18 @@ class Drafter:
 
     def select_rows(self, rows: torch.Tensor) -> None:
         """Keep only these batch rows (others finished)."""
+
+    # Capabilities the engine sets once, from its settled plan, before any call. A drafter that runs no forward of
+    # its own (n-gram, lookup, Medusa's heads over the target's features) keeps these defaults.
+    def compile_forwards(self) -> bool:
+        """`compile=True`: compile the forwards this drafter runs of its own; False where it runs none (the
+        engine then says that nothing of the drafter's is compiled)."""
+        return False
+
+    def lean_forwards(self, stream_rows: int | None, int8: bool = True) -> None:
+        """A CPU's lean verify: run this drafter's own forwards without transformers' module machinery too, blocks
+        of 2..stream_rows rows on the streamed kernel, with `int8` on int8 copies of the weights."""
+
+    def capture_forwards(self, make) -> None:
+        """The captured step: run this drafter's forwards after the prompt's through `make(model)` (the engine's
+        `infer.cuda.StepGraphs`); None: through the model as before."""

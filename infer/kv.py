@@ -21,6 +21,20 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
+# With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
+# a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
+VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+# Slots a static cache holds beyond prompt + max_new_tokens: the uncommitted block of the step in flight.
+VERIFY_ROOM = VERIFY_BUCKETS[-1]
+
+
+def verify_bucket(nodes: int) -> int:
+    """The padded node count of a verify block of `nodes` nodes."""
+    for size in VERIFY_BUCKETS:
+        if nodes <= size:
+            return size
+    return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
+
 
 def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, int | None]]:
     """How a model consumes masks: one tensor for all layers, or a dict keyed by `config.layer_types`.

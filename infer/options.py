@@ -44,7 +44,7 @@ class EngineOptions:
     `static_cache`: the target's KV cache is preallocated for the whole generation and committed in place (True:
     room for prompt + max_new_tokens, rounded up to 256 slots but never past the target's context, and kept for
     later calls of the same batch size while they fit; an int, at most the context: that many tokens of prompt
-    plus output, and a longer request is refused before any work), with `infer.engine.VERIFY_ROOM` more slots for
+    plus output, and a longer request is refused before any work), with `infer.kv.VERIFY_ROOM` more slots for
     the block being verified; verify blocks are padded to `infer.engine.VERIFY_BUCKETS` node counts, so the
     verify forward has a few fixed shapes. The cache stays allocated between calls (`free_cache()` drops it).
 

@@ -18,7 +18,7 @@ import heads
 import infer.engine
 from infer import SelfSpecModel
 from infer.cuda import StepGraphs
-from infer.engine import VERIFY_BUCKETS
+from infer.kv import VERIFY_BUCKETS
 from infer.options import EngineOptions
 from infer.policy import captured_step
 from infer.sampling import _nucleus

@@ -88,6 +88,43 @@ def test_only_the_facade_of_infer_reaches_above_it_and_nothing_in_infer_imports_
     assert importers == [], importers
 
 
+# Modules of infer/ that only infer/ may import: the engine and what it runs a call with (the request's checks,
+# the policy that settles its plan, acceptance, the captured step), reached from outside through SelfSpecModel.
+INFER_PRIVATE = ("infer/engine.py", "infer/request.py", "infer/policy.py", "infer/verify.py", "infer/cuda/")
+
+
+def _private_names_from_infer(path: Path, source: str | None = None) -> list[str]:
+    """Underscore names `path` imports from a module of infer/ (`from infer.kv import _buffer`)."""
+    tree = ast.parse(path.read_text() if source is None else source, filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "infer":
+            found += [f"{node.module}.{alias.name}" for alias in node.names if alias.name.startswith("_")]
+    return found
+
+
+def _private_reaches(graph: dict[Path, set[Path]], sources: dict[Path, str] | None = None) -> list[str]:
+    reaches = []
+    for a, targets in graph.items():
+        if _layer(a) == "infer":
+            continue
+        reaches += [f"{_rel(a)} -> {_rel(b)}" for b in targets if _rel(b).startswith(INFER_PRIVATE)]
+        reaches += [f"{_rel(a)} -> {name}" for name in _private_names_from_infer(a, (sources or {}).get(a))]
+    return reaches
+
+
+def test_nothing_outside_infer_imports_what_is_private_to_it():
+    assert _private_reaches(_graph()) == []
+
+
+@pytest.mark.parametrize("source", ["from infer.engine import Engine", "from infer.kv import _buffer",
+                                    "from infer.cuda import graphs"])
+def test_the_privacy_check_sees_each_reach(source, tmp_path):
+    path = ROOT / "train" / "probe_not_a_file.py"
+    graph = {path: _imports(path, source)}
+    assert _private_reaches(graph, {path: source}), source
+
+
 def test_no_import_circles():
     graph = _graph()
     circles = []

@@ -15,7 +15,7 @@ from conftest import greedy_reference, left_padded_prompts, perturbed_copy, tiny
 from transformers import GenerationConfig
 
 from infer import SelfSpecModel
-from infer.engine import VERIFY_ROOM
+from infer.kv import VERIFY_ROOM
 from infer.sampling import SamplingParams
 from infer.target import HOOK_DICTS
 from infer.tree import DraftTree
@@ -145,7 +145,7 @@ def test_target_config_that_samples_is_sampled_with_its_settings():
 
 def test_sampling_defaults_are_transformers_defaults(target):
     """do_sample=True alone samples as target.generate(do_sample=True) does: with transformers' default top_k."""
-    from infer.engine import TRANSFORMERS_DEFAULTS
+    from infer.request import TRANSFORMERS_DEFAULTS
 
     assert TRANSFORMERS_DEFAULTS == {k: GenerationConfig._get_default_generation_params()[k]
                                      for k in TRANSFORMERS_DEFAULTS}

@@ -18,7 +18,7 @@ from test_sampling import PROMPT, V, chi_square_p, drafters, exact_joint
 import heads
 import infer.engine
 from infer import SelfSpecModel
-from infer.engine import VERIFY_BUCKETS, verify_bucket
+from infer.kv import VERIFY_BUCKETS, verify_bucket
 from infer.kv import KVState, forward_block, prompt_tree
 
 # a drafter of every shape of verify block: chains (n-gram, a draft model), a tree from the suffix cache,

@@ -59,12 +59,13 @@ class DraftModelDrafter(Drafter):
             raise ValueError(f"draft model is on {self.model.device} but the target is on {target.device}; "
                              "move both to one device")
 
-    def compile_forwards(self) -> None:
+    def compile_forwards(self) -> bool:
         """Run the one-token draft forwards through `torch.compile` (shapes dynamic over the cache length,
         so one graph serves a whole generation); the catch-up block stays eager. The first call compiles
         (about 40 s for SmolLM2-135M on 2 CPU cores); if compiling fails, drafting goes on eagerly after
         one warning naming why."""
         self.decode = torch.compile(self.model, dynamic=True)
+        return True
 
     def bind(self, target, sampling, batch_size, generator=None):
         super().bind(target, sampling, batch_size, generator)

@@ -33,9 +33,10 @@ class StagedDrafter(DraftModelDrafter):
         self.inner = NgramDrafter(num_tokens=guess_tokens)
         self.node_slot: list[list[int]] = []  # per row, the chain slot of each fed node (root first)
 
-    def compile_forwards(self) -> None:
+    def compile_forwards(self) -> bool:
         warnings.warn("compile=True: staged drafting feeds the draft model blocks of every length the guess "
                       "takes; it drafts without compiling", stacklevel=3)
+        return True  # said here, in its own words
 
     def bind(self, target, sampling, batch_size, generator=None):
         super().bind(target, sampling, batch_size, generator)

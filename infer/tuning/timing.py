@@ -269,8 +269,7 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
             keys.append(key)
             if key in timed:
                 continue
-            if hasattr(step, "lean_forwards"):  # as SelfSpecModel runs it by default
-                step.lean_forwards(streamed if prepack else None)
+            step.lean_forwards(streamed if prepack else None)  # as SelfSpecModel runs it by default
             step.bind(target, SamplingParams(), batch)
             step.observe(prompt)
             if observe is None:
