@@ -209,6 +209,10 @@ def _config_dict(path_or_hub_id, **hf_kwargs) -> dict:
                                     f"a hub id: {err}") from err
         raise OSError(f"no drafter at {path_or_hub_id}: not a local folder, not a shipped drafter ({shipped}), and "
                       f"as a hub id: {err}") from err
+    if not isinstance(config_dict, dict):
+        raise ValueError(f"{path_or_hub_id}: its config.json holds a JSON {type(config_dict).__name__}, not an object "
+                         "(a config): the file was damaged or replaced; restore the config.json saved with the drafter, "
+                         "or save it again")
     return config_dict
 
 

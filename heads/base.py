@@ -296,10 +296,18 @@ class DrafterModel(PreTrainedModel):
                                              "revision", "subfolder") if k in kwargs}
         check_weights_file(pretrained_model_name_or_path, **hub_kwargs)
         kwargs["use_safetensors"] = True
+        # mismatched shapes come back in `info` and are refused below with the shapes, not as transformers' advice
+        # to pass ignore_mismatched_sizes
+        kwargs["ignore_mismatched_sizes"] = True
         model, info = super().from_pretrained(pretrained_model_name_or_path, *model_args,
                                               output_loading_info=True, **kwargs)
-        problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")
-                    if info.get(k)}
+        if info.get("mismatched_keys"):
+            shapes = "; ".join(f"{key}: file {tuple(saved)}, config {tuple(built)}"
+                               for key, saved, built in sorted(info["mismatched_keys"]))
+            raise ValueError(f"{pretrained_model_name_or_path}: the sizes in its config.json do not match the weights "
+                             f"in its model.safetensors ({shapes}). The config was edited or belongs to another "
+                             "drafter: restore the config.json saved with these weights, or re-save the drafter.")
+        problems = {k: info.get(k) for k in ("missing_keys", "unexpected_keys") if info.get(k)}
         if problems:
             raise ValueError(f"{pretrained_model_name_or_path} does not match a {cls.__name__} built from its "
                              f"config.json: {problems}. The weights were saved by another kind or version of "

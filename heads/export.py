@@ -13,18 +13,21 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers.utils import cached_file
 
 from .base import check_weights_file
-from .dflash import DFlashConfig, DFlashModel
+from .dflash import DFlashModel
 from .eagle3 import Eagle3Config, Eagle3Model
+from .folders import check_writable, file_record, written_whole
 from .kinds import ExportFormat
 from .layers import arch_classes
 from .medusa import MedusaConfig, MedusaModel
+from .weights import WEIGHTS_NAME as WEIGHTS
 
 MASK_EMBEDDING_FILE = "mask_embedding.pt"
-EXPORT_FILES = ("config.json", "model.safetensors", MASK_EMBEDDING_FILE)  # all an export of ours writes
+EXPORT_FILES = ("config.json", WEIGHTS, MASK_EMBEDDING_FILE)  # all an export of ours writes
 SPECULATORS_VERSION = "0.2.0"  # the speculators format generation these configs follow (see docs/export.md)
 
 # The decoder-layer weights of a speculators EAGLE-3 layer ("layers.0." + name), Llama names.
@@ -41,20 +44,31 @@ LLAMA_LAYER_FIELDS = ("hidden_size", "intermediate_size", "num_attention_heads",
                       "bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _read_folder(path_or_id, **hub_kwargs) -> tuple[dict, dict[str, torch.Tensor]]:
+def _read_config(path_or_id, **hub_kwargs) -> dict:
     config_file = cached_file(path_or_id, "config.json", **hub_kwargs)
-    with open(config_file, encoding="utf-8") as f:
-        config = json.load(f)
-    return config, load_file(check_weights_file(path_or_id, **hub_kwargs))
+    try:
+        with open(config_file, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{config_file} is not valid JSON ({err}): the file is damaged; export or download the "
+                         "drafter again") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_file} holds a JSON {type(config).__name__}, not an object: it is not a drafter's "
+                         "config; export or download the drafter again")
+    return config
+
+
+def _read_weights(path_or_id, **hub_kwargs) -> dict[str, torch.Tensor]:
+    return load_file(check_weights_file(path_or_id, **hub_kwargs))
 
 
 def check_out_dir(out_dir) -> None:
     """Refuse, before anything is written, a folder where an export would overwrite or mix with files of the
     user's: one that is not empty, unless it holds an earlier export of ours and nothing else (which an export
-    replaces). A model's own folder (the target's, the drafter's) is never one."""
+    replaces). A model's own folder (the target's, the drafter's) is never one. Also one that cannot be written
+    whole: a file, a path under a file, or a read-only place (`heads.folders.check_writable`)."""
+    check_writable(out_dir, "export folder")
     path = Path(out_dir)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"export folder {path} is a file; choose an empty or new folder")
     names = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
     if not names or _earlier_export(path, names):
         return
@@ -77,22 +91,41 @@ def _earlier_export(path: Path, names: list[str]) -> bool:
             and any(fmt.recognizes(config) for fmt in FORMATS.values()))
 
 
-def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor], pickled: dict | None = None) -> None:
+    """Write an export whole (`heads.folders.written_whole`): an earlier export there is replaced only once the new
+    one is complete, and is left as it was if this one fails or is killed. config.json comes last and records each
+    other file's size and sha256 (`selfspec.files`), so that a loader refuses a folder missing one or mixing them."""
     check_out_dir(out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    stale = Path(out_dir, MASK_EMBEDDING_FILE)  # an earlier DFlash export's; export_dflash writes its own anew
-    if stale.exists():
-        stale.unlink()
-    with open(os.path.join(out_dir, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(config, f, indent=2, sort_keys=True)
-    save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()},
-              os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    try:
+        with written_whole(out_dir) as folder:
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, os.fspath(folder / WEIGHTS),
+                      metadata={"format": "pt"})
+            for name, value in (pickled or {}).items():
+                torch.save(value, folder / name)
+            files = {p.name: file_record(p) for p in sorted(folder.iterdir())}
+            with open(folder / "config.json", "w", encoding="utf-8") as f:
+                json.dump({**config, "selfspec": {**config["selfspec"], "files": files}}, f, indent=2, sort_keys=True)
+    except (OSError, SafetensorError) as err:
+        raise OSError(f"could not write the export {out_dir}: {getattr(err, 'strerror', None) or err}; an earlier "
+                      "export there is left as it was. Free some space if the disk is full, or choose another "
+                      "folder") from err
 
 
-def _check_keys(got, expected, what: str) -> None:
-    missing, unexpected = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"{what}: missing keys {missing}, unexpected keys {unexpected}")
+def _check_kind(model, cls: type, fmt: str) -> None:
+    """Refuse, naming the kind's own formats, a drafter of another kind than `fmt` writes."""
+    if not isinstance(model, cls):
+        kind = getattr(model, "kind", None)
+        own = KIND_FORMATS.get(kind)
+        hint = (f"its formats: {list(own)} (heads.export.export(drafter, out_dir, format=...))" if own
+                else "it exports to no serving format")
+        raise ValueError(f"{fmt} writes {cls.__name__} drafters; this is a {type(model).__name__} (drafter kind "
+                         f"{kind!r}): {hint}")
+
+
+def _load_strict(model, state: dict[str, torch.Tensor], what: str):
+    from .formats.common import load_strict  # in the function: heads.formats imports this module
+
+    return load_strict(model, state, what)
 
 
 # ---- speculators EAGLE-3 -----------------------------------------------------------------------------------
@@ -105,6 +138,7 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
     as Qwen3's q/k norms): every `layer_style="llama"` drafter, whatever the target. The embedding is not
     written: vLLM and speculators then use the verifier's.
     """
+    _check_kind(model, Eagle3Model, "export_speculators (speculators EAGLE-3)")
     c = model.config
     _check_llama_layers(model, "speculators EAGLE-3")
     if c.fc_bias:
@@ -193,50 +227,77 @@ def _selfspec_block(c, **extra) -> dict:
     return {**{k: getattr(c, k) for k in keys}, **extra}
 
 
+# config.json's keys the importer reads and what each must be ("?": may be absent or null), and its
+# transformer_layer_config's
+SPECULATORS_CONFIG = {"transformer_layer_config": "table", "draft_vocab_size": "size", "target_hidden_size": "size?",
+                      "eagle_aux_hidden_state_layer_ids": "ids?", "norm_before_residual": "flag?",
+                      "speculators_config": "table?"}
+SPECULATORS_LAYER_CONFIG = {"hidden_size": "size", "vocab_size": "size", "intermediate_size": "size",
+                            "num_attention_heads": "size", "num_key_value_heads": "size?", "head_dim": "size?",
+                            "num_hidden_layers": "size?", "rms_norm_eps": "number?", "rope_theta": "number?",
+                            "max_position_embeddings": "size?", "hidden_act": "name?", "model_type": "name?"}
+
+
+def check_speculators(what: str, config: dict, path_or_id, **hub_kwargs) -> None:
+    """Refuse, naming the key and the fix, a speculators config missing what the importer reads or holding it as
+    another kind; and an export of ours whose files are not all the ones it was written with."""
+    from .formats.common import check_config, check_export_files  # here: heads.formats imports this module
+
+    check_config(what, config, SPECULATORS_CONFIG)
+    check_config(what, config["transformer_layer_config"], SPECULATORS_LAYER_CONFIG,
+                 section="config.json's transformer_layer_config")
+    check_export_files(what, path_or_id, config, (WEIGHTS,), **hub_kwargs)
+
+
 def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
     """Load a speculators EAGLE-3 checkpoint as an `Eagle3Model` (its decoder layer is a Llama layer).
 
     What the format does not record (the target's model type and layer count) comes from the `selfspec`
-    block written by `export_speculators`, or from `target` (a model or config) when given.
+    block written by `export_speculators`, or from `target` (a model or config) when given; a target that
+    contradicts what the checkpoint records is refused.
     """
-    from .base import DrafterConfig
-
-    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    what = f"speculators checkpoint {path_or_id}"
+    config = _read_config(path_or_id, **hub_kwargs)
     if config.get("speculators_model_type") != "eagle3":
         raise ValueError(f"{path_or_id} is not a speculators EAGLE-3 checkpoint (speculators_model_type="
                          f"{config.get('speculators_model_type')!r})")
+    check_speculators(what, config, path_or_id, **hub_kwargs)
+    return speculators_drafter(what, path_or_id, config, target, **hub_kwargs)
+
+
+def speculators_drafter(what: str, path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
+    """`import_speculators` once the checkpoint is checked (`check_speculators`)."""
+    from .formats.common import fields_for_target, named, selfspec_fields
+
     layer_config = dict(config["transformer_layer_config"])
     layer_config.pop("architectures", None)
-    num_layers = layer_config.get("num_hidden_layers", 1)
+    num_layers = layer_config.get("num_hidden_layers") or 1
     layer_config["num_hidden_layers"] = 1  # ours describes one layer; the drafter's count is num_layers
     if layer_config.get("model_type", "llama") != "llama":
         raise ValueError(f"only Llama-style transformer_layer_config imports, got {layer_config['model_type']!r}")
     if "rope_scaling" in layer_config and layer_config["rope_scaling"]:
         layer_config["rope_parameters"] = {**layer_config.pop("rope_scaling"),
                                            "rope_theta": layer_config.pop("rope_theta", 10000.0)}
-    fields = dict(config.get("selfspec") or {})
-    attn = fields.pop("attn_implementation", None) or "sdpa"
-    if target is not None:
-        fields.update(DrafterConfig.target_fields(target))
-    fields.setdefault("target_hidden_size", config.get("target_hidden_size") or layer_config["hidden_size"])
-    fields.setdefault("target_vocab_size", layer_config["vocab_size"])
-    fields.setdefault("base_model_name_or_path",
-                      config.get("speculators_config", {}).get("verifier", {}).get("name_or_path"))
+    recorded = {"target_hidden_size": config.get("target_hidden_size") or layer_config["hidden_size"],
+                "target_vocab_size": layer_config["vocab_size"],
+                "base_model_name_or_path": (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
+    recorded.update({k: v for k, v in selfspec_fields(what, config).items() if v is not None})
+    attn = recorded.pop("attn_implementation", None) or "sdpa"
+    fields = fields_for_target(what, recorded, target)
     if not config.get("eagle_aux_hidden_state_layer_ids") and fields.get("target_num_layers") is None:
         raise ValueError(f"{path_or_id} records no eagle_aux_hidden_state_layer_ids; pass target= so the "
                          "default feature layers can be derived from its layer count")
     fields.pop("layer_style", None)  # a speculators layer is a Llama layer, whatever the target
-    eagle3 = Eagle3Config(layer_config=layer_config, layer_style="llama", attn_implementation=attn, input_mode="widen",
-                          feature_layers=config.get("eagle_aux_hidden_state_layer_ids"),
-                          draft_vocab_size=config["draft_vocab_size"],
-                          norm_before_residual=config.get("norm_before_residual", True), fc_bias=False,
-                          num_layers=num_layers, **fields)
-    model = Eagle3Model(eagle3)
+    with named(what):
+        model = Eagle3Model(Eagle3Config(
+            layer_config=layer_config, layer_style="llama", attn_implementation=attn, input_mode="widen",
+            feature_layers=config.get("eagle_aux_hidden_state_layer_ids"), draft_vocab_size=config["draft_vocab_size"],
+            norm_before_residual=config.get("norm_before_residual", True), fc_bias=False, num_layers=num_layers,
+            **fields))
+    tensors = _read_weights(path_or_id, **hub_kwargs)
     renamed = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()}
     renamed.pop("embed_tokens.weight", None)  # we use the target's own embedding
-    _check_keys(renamed, model.state_dict(), f"speculators checkpoint {path_or_id}")
-    model.load_state_dict(renamed, strict=True)
-    return model.eval()
+    return _load_strict(model, renamed, what)
 
 
 # ---- vLLM Medusa --------------------------------------------------------------------------------------------
@@ -248,6 +309,7 @@ def export_medusa_vllm(model: MedusaModel, out_dir) -> str:
     With `share_lm_head` the config says `original_lm_head: true` and `lm_heads.0.weight` holds the target's
     lm_head, so the model must be attached to its target.
     """
+    _check_kind(model, MedusaModel, "export_medusa_vllm (vLLM Medusa)")
     c = model.config
     if c.projection_bias:
         raise ValueError("vLLM's Medusa lm_heads have no bias; this drafter was built with projection_bias=True")
@@ -274,22 +336,27 @@ def export_medusa_vllm(model: MedusaModel, out_dir) -> str:
 def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
     """Load a vLLM-format Medusa checkpoint (also with Medusa's own `medusa_num_heads`/`medusa_num_layers`
     config keys) as a `MedusaModel`. Blocks saved without bias (`medusa_fc_bias: false`) get zero biases."""
-    from .base import DrafterConfig
+    from .formats.common import check_config, check_export_files, fields_for_target, named, selfspec_fields
 
-    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    what = f"vLLM Medusa checkpoint {path_or_id}"
+    config = _read_config(path_or_id, **hub_kwargs)
     if config.get("model_type") != "medusa":
         raise ValueError(f"{path_or_id} is not a vLLM Medusa checkpoint (model_type={config.get('model_type')!r})")
-    num_heads = config.get("num_heads", config.get("medusa_num_heads"))
-    num_layers = config.get("num_hidden_layers", config.get("medusa_num_layers", 1))
+    heads_key = "num_heads" if "num_heads" in config or "medusa_num_heads" not in config else "medusa_num_heads"
+    layers_key = "num_hidden_layers" if "num_hidden_layers" in config else "medusa_num_layers"
+    check_config(what, config, {"hidden_size": "size", "vocab_size": "size", heads_key: "size", layers_key: "size?",
+                                "truncated_vocab_size": "size?", "medusa_fc_bias": "flag?", "original_lm_head": "flag?"})
+    check_export_files(what, path_or_id, config, (WEIGHTS,), **hub_kwargs)
+    num_heads, num_layers = config[heads_key], config.get(layers_key) or 1
     if config.get("truncated_vocab_size", config["vocab_size"]) != config["vocab_size"]:
         raise ValueError("Medusa checkpoints with a truncated vocabulary (token_map) are not supported")
-    fields = dict(config.get("selfspec") or {})
-    if target is not None:
-        fields.update(DrafterConfig.target_fields(target))
-    fields.setdefault("target_hidden_size", config["hidden_size"])
-    fields.setdefault("target_vocab_size", config["vocab_size"])
+    recorded = {"target_hidden_size": config["hidden_size"], "target_vocab_size": config["vocab_size"]}
+    recorded.update({k: v for k, v in selfspec_fields(what, config).items() if v is not None})
+    fields = fields_for_target(what, recorded, target)
     share = bool(config.get("original_lm_head", False))
-    model = MedusaModel(MedusaConfig(num_heads=num_heads, num_layers=num_layers, share_lm_head=share, **fields))
+    with named(what):
+        model = MedusaModel(MedusaConfig(num_heads=num_heads, num_layers=num_layers, share_lm_head=share, **fields))
+    tensors = _read_weights(path_or_id, **hub_kwargs)
     state = {}
     for i in range(num_heads):
         for j in range(num_layers):
@@ -303,9 +370,7 @@ def import_medusa_vllm(path_or_id, target=None, **hub_kwargs) -> MedusaModel:
     if share:
         tensors.pop("lm_heads.0.weight", None)  # the target's own lm_head: bound by attach(), not loaded
     state = {k: v for k, v in state.items() if v is not None}
-    _check_keys({**state, **tensors}, model.state_dict(), f"Medusa checkpoint {path_or_id}")
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    return _load_strict(model, {**state, **tensors}, what)  # what is left in `tensors` is unexpected
 
 
 # ---- DFlash (z-lab's layout, vLLM's DFlashDraftModel) -----------------------------------------------------
@@ -324,6 +389,7 @@ def export_dflash(model: DFlashModel, out_dir, mask_token_id: int | None = None)
     generations ignore eos. Serve with `num_speculative_tokens` = block_size - 1: a shorter block changes
     what the non-causal mask slots see.
     """
+    _check_kind(model, DFlashModel, "export_dflash (vLLM DFlashDraftModel)")
     c = model.config
     n = c.target_num_layers
     if c.fc_bias:
@@ -355,62 +421,26 @@ def export_dflash(model: DFlashModel, out_dir, mask_token_id: int | None = None)
         "selfspec": _selfspec_block(c, feature_layers=list(c.feature_layers), anchors_per_sample=c.anchors_per_sample,
                                     loss_decay=c.loss_decay),
     }
-    _write_folder(out_dir, config, tensors)
-    torch.save({"mask_token_id": int(mask_token_id), "embedding": model.mask_embed.weight[0].detach().cpu().clone()},
-               os.path.join(out_dir, MASK_EMBEDDING_FILE))
+    mask = {"mask_token_id": int(mask_token_id), "embedding": model.mask_embed.weight[0].detach().cpu().clone()}
+    _write_folder(out_dir, config, tensors, pickled={MASK_EMBEDDING_FILE: mask})
     return os.fspath(out_dir)
 
 
 def import_dflash(path_or_id, target=None, **hub_kwargs) -> DFlashModel:
-    """Load a DFlash checkpoint in vLLM's layout (ours from `export_dflash`, or z-lab's) as a `DFlashModel`.
+    """Load a DFlash checkpoint in vLLM's layout (ours from `export_dflash`, or z-lab's) as a `DFlashModel`, with
+    heads.formats' z-lab reader.
 
     The mask vector comes from `mask_embedding.pt`; a checkpoint without one (z-lab's) has its mask slots
     embedded as `mask_token_id`, so `target` (a model) is needed to read that row of its embedding. What
     the format does not record comes from the `selfspec` block or from `target`.
     """
-    from .base import DrafterConfig
+    from .formats import dflash_zlab  # in the function: heads.formats imports this module
 
-    config, tensors = _read_folder(path_or_id, **hub_kwargs)
+    config = _read_config(path_or_id, **hub_kwargs)
     if "DFlashDraftModel" not in (config.get("architectures") or []) or config.get("model_type") != "qwen3":
         raise ValueError(f"{path_or_id} is not a DFlash checkpoint (architectures={config.get('architectures')}, "
                          f"model_type={config.get('model_type')!r}; expected DFlashDraftModel and qwen3)")
-    dflash = config.get("dflash_config") or {}
-    fields = dict(config.get("selfspec") or {})
-    if target is not None:
-        fields.update(DrafterConfig.target_fields(target))
-    layers = config.get("eagle_aux_hidden_state_layer_ids") or [i + 1 for i in dflash.get("target_layer_ids", [])]
-    fields.setdefault("feature_layers", layers)
-    fields.setdefault("target_hidden_size", config.get("target_hidden_size") or config["hidden_size"])
-    fields.setdefault("target_vocab_size", config["vocab_size"])
-    fields.setdefault("target_num_layers", config.get("num_target_layers"))
-    layer_config = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
-                                           "num_key_value_heads", "head_dim", "hidden_act", "max_position_embeddings",
-                                           "rms_norm_eps", "attention_bias") if k in config}
-    rope = config.get("rope_parameters") or {"rope_type": "default", "rope_theta": config.get("rope_theta", 1e6)}
-    layer_config.update(model_type="qwen3", rope_parameters=rope)
-    fields.setdefault("mask_token_id", dflash.get("mask_token_id"))
-    model = DFlashModel(DFlashConfig(layer_config=layer_config, num_layers=config["num_hidden_layers"],
-                                     block_size=config.get("block_size", 16), fc_bias=False, **fields))
-    mask = _read_mask_embedding(path_or_id, dflash.get("mask_token_id"), target, **hub_kwargs)
-    state = {k: v for k, v in tensors.items() if k not in ("embed_tokens.weight", "lm_head.weight")}
-    # our fc's column blocks follow feature_layers; the checkpoint's follow ascending layers
-    order = sorted(range(len(model.feature_layers)), key=lambda j: model.feature_layers[j])
-    d = model.config.target_hidden_size
-    if tuple(state.get("fc.weight", torch.empty(0)).shape) != tuple(model.fc.weight.shape):
-        raise ValueError(f"DFlash checkpoint {path_or_id}: fc.weight should be {tuple(model.fc.weight.shape)} for "
-                         f"{len(order)} feature layers of width {d}, got {tuple(state.get('fc.weight', torch.empty(0)).shape)}")
-    blocks = dict(zip(order, state["fc.weight"].split(d, dim=1), strict=True))
-    state["fc.weight"] = torch.cat([blocks[j] for j in range(len(order))], dim=1)
-    state["mask_embed.weight"] = mask.reshape(1, -1)
-    _check_keys(state, model.state_dict(), f"DFlash checkpoint {path_or_id}")
-    model.load_state_dict(state, strict=True)
-    return model.eval()
-
-
-def _read_mask_embedding(path_or_id, mask_token_id, target, **hub_kwargs) -> torch.Tensor:
-    from .formats.dflash_zlab import mask_vector  # in the function: heads.formats imports this module
-
-    return mask_vector(path_or_id, f"DFlash checkpoint {path_or_id}", mask_token_id, target, **hub_kwargs)
+    return dflash_zlab.load(path_or_id, config, target=target, **hub_kwargs)
 
 
 # ---- SGLang EAGLE-3 (SpecForge's output, SGLang's LlamaForCausalLMEagle3) -----------------------------------
@@ -431,6 +461,7 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
     SGLang captures each target layer once, in ascending order, and its fc reads three: feature layers must be three
     distinct target layers 1..L-1 (hidden_states indices), and `fc`'s column blocks are written in ascending order.
     """
+    _check_kind(model, Eagle3Model, "export_sglang (SGLang EAGLE-3)")
     c = model.config
     fmt = "SGLang EAGLE-3"
     _check_llama_layers(model, fmt)
@@ -494,9 +525,7 @@ def import_sglang(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
     SpecForge reader. Its feature layers come back in ascending order, as SGLang concatenates them."""
     from .formats import specforge
 
-    with open(cached_file(path_or_id, "config.json", **hub_kwargs), encoding="utf-8") as f:
-        config = json.load(f)
-    return specforge.load(path_or_id, config, target=target, **hub_kwargs)
+    return specforge.load(path_or_id, _read_config(path_or_id, **hub_kwargs), target=target, **hub_kwargs)
 
 
 SGLANG = ExportFormat("sglang", "SGLang EAGLE-3 (SpecForge)", export_sglang, import_sglang,
@@ -511,8 +540,11 @@ def export(model, out_dir, format: str | None = None) -> str:
     """Write `model` in `format` (a name in FORMATS; None = the first its kind exports to, the one vLLM serves)."""
     kind = getattr(model, "kind", None)
     allowed = KIND_FORMATS.get(kind, ())
-    if format is None and allowed:
-        format = allowed[0]
+    if format is None and not allowed:
+        why = " (EAGLE-1/2 has no exact vLLM or SGLang layout)" if kind == "eagle" else ""
+        raise ValueError(f"drafter kind {kind or type(model).__name__!r} exports to no serving format{why}; serve it "
+                         "with selfspec's own engine (infer.SelfSpecModel)")
+    format = format or allowed[0]
     if format not in FORMATS:
         raise ValueError(f"unknown export format {format!r}; known: {sorted(FORMATS)}")
     if format not in allowed:

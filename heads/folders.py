@@ -26,7 +26,7 @@ def _siblings(dest: Path) -> tuple[Path, Path]:
 def check_writable(folder, what: str) -> None:
     """Raise a ValueError naming the path and the fix where `folder` could not be written as a whole: a file at its
     place or above it, or a folder (itself, or where it would be made) that cannot be written."""
-    path = Path(os.path.abspath(folder))
+    path = Path(os.path.realpath(folder))  # a link to a folder: the folder it points to is the one written
     if path.exists() and not path.is_dir():
         raise ValueError(f"{what} {folder} is a file; choose an empty or new folder")
     parent = path.parent
@@ -45,8 +45,9 @@ def check_writable(folder, what: str) -> None:
 def written_whole(dest) -> Iterator[Path]:
     """A new, empty temporary folder beside `dest` to write into; when the block ends without an error it becomes
     `dest`, replacing a previous `dest` whole. On an error (or an interrupt) it is removed and `dest` is left as it
-    was. A process killed outright leaves the temporary folder, which the next write to `dest` removes."""
-    dest = Path(dest)
+    was. A process killed outright leaves the temporary folder, which the next write to `dest` removes. A `dest` that
+    is a link to a folder keeps the link: the folder it points to is the one replaced."""
+    dest = Path(os.path.realpath(dest))
     partial, old = _siblings(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     if old.exists():  # an earlier write was killed between its two renames below

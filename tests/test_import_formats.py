@@ -403,6 +403,158 @@ def test_bad_checkpoints_are_refused_by_name(name, write, error, message, tmp_pa
         SelfSpecModel.from_pretrained(str(folder), target=t)
 
 
+# ---- damaged files and configs: refused naming the file, the key and the fix (issue 55, findings 12 and 13) --------
+
+
+def _damaged(writer, name: str, damage):
+    """A checkpoint written by `writer` whose file `name` is then damaged: `damage(bytes) -> bytes`."""
+    def write(folder, t):
+        writer(folder, t)
+        path = folder / name
+        path.write_bytes(damage(path.read_bytes()))
+    return write
+
+
+def _holding(writer, name: str, value):
+    def write(folder, t):
+        writer(folder, t)
+        torch.save(value, folder / name)
+    return write
+
+
+def _edited(writer, edit):
+    """A checkpoint written by `writer` whose config.json is then edited in place: `edit(config)`."""
+    def write(folder, t):
+        writer(folder, t)
+        config = json.loads((folder / "config.json").read_text())
+        edit(config)
+        (folder / "config.json").write_text(json.dumps(config))
+    return write
+
+
+def _wrong_shape(folder, t):
+    from safetensors.torch import load_file
+
+    write_speculators(folder, t)
+    state = load_file(folder / "model.safetensors")
+    state["norm.weight"] = torch.ones(16)
+    save_file(state, folder / "model.safetensors")
+
+
+def _dflash_export(folder, t):
+    """Our DFlash export as written before exports recorded their files: its mask_embedding.pt is read as it is."""
+    from heads.export import export_dflash
+
+    export_dflash(heads.build("dflash", t), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["selfspec"]["files"]
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _speculators_export(folder, t):
+    from heads.export import export_speculators
+
+    export_speculators(heads.build("eagle3", t, draft_vocab_size=48), folder)
+
+
+def _half(data: bytes) -> bytes:
+    return data[: len(data) // 2]
+
+
+def _garbage(data: bytes) -> bytes:
+    return bytes(torch.randint(0, 256, (5000,), generator=torch.Generator().manual_seed(0)).to(torch.uint8).tolist())
+
+
+CORRUPT = "corrupt or truncated safetensors file .*model.safetensors: .*re-download"
+UNPICKLABLE = "it is corrupt or truncated, or not a file of tensors .* re-download the checkpoint"
+EDITED = "the file was edited or damaged; re-download the checkpoint"
+DAMAGED = [
+    # weight files
+    ("speculators weights truncated", _damaged(write_speculators, "model.safetensors", _half), CORRUPT),
+    ("speculators weights empty", _damaged(write_speculators, "model.safetensors", lambda b: b""), CORRUPT),
+    ("speculators weights garbage", _damaged(write_speculators, "model.safetensors", _garbage), CORRUPT),
+    ("speculators weights zeroed", _damaged(write_speculators, "model.safetensors", lambda b: bytes(len(b))), CORRUPT),
+    ("speculators tensor of a wrong shape", _wrong_shape,
+     r"does not map onto the drafter: shapes differ: norm.weight: checkpoint \(16,\), drafter \(32,\)"),
+    ("SpecForge weights truncated", _damaged(write_specforge, "model.safetensors", _half),
+     "cannot read .*model.safetensors: .*The file is corrupt or truncated: re-download the checkpoint"),
+    ("EAGLE authors' pickle garbage", _damaged(write_eagle_authors, "pytorch_model.bin", _garbage),
+     r"cannot read .*pytorch_model.bin \(5000 bytes\): " + UNPICKLABLE),
+    ("EAGLE authors' pickle truncated", _damaged(write_eagle_authors, "pytorch_model.bin", _half),
+     "pytorch_model.bin .*" + UNPICKLABLE),
+    ("EAGLE authors' pickle empty", _damaged(write_eagle_authors, "pytorch_model.bin", lambda b: b""),
+     r"pytorch_model.bin \(0 bytes\): " + UNPICKLABLE),
+    ("EAGLE authors' pickle of a list", _holding(write_eagle_authors, "pytorch_model.bin", [torch.zeros(2)]),
+     "pytorch_model.bin is not a state dict of tensors .* but a list"),
+    ("Medusa pickle garbage", _damaged(lambda f, t: write_medusa_fd(f, t, pt=True), "medusa_lm_head.pt", _garbage),
+     "medusa_lm_head.pt .*" + UNPICKLABLE),
+    ("DFlash mask vector garbage", _damaged(_dflash_export, "mask_embedding.pt", _garbage),
+     "mask_embedding.pt .*" + UNPICKLABLE),
+    ("DFlash mask vector truncated", _damaged(_dflash_export, "mask_embedding.pt", _half),
+     "mask_embedding.pt .*" + UNPICKLABLE),
+    ("DFlash mask vector a list", _holding(_dflash_export, "mask_embedding.pt", [1, 2]),
+     r"mask_embedding.pt holds a list, not DFlash's mask vector \({'mask_token_id'"),
+    ("DFlash mask vector without its embedding", _holding(_dflash_export, "mask_embedding.pt", {"mask_token_id": 2}),
+     r"holds a dict with keys \['mask_token_id'\], not DFlash's mask vector"),
+    # configs: keys missing or of another kind
+    ("speculators without transformer_layer_config", _edited(write_speculators, lambda c: c.pop("transformer_layer_config")),
+     "config.json has no 'transformer_layer_config' \\(an object"),
+    ("speculators transformer_layer_config a list", _edited(write_speculators,
+                                                            lambda c: c.update(transformer_layer_config=[1])),
+     r"config.json's 'transformer_layer_config' must be an object \({...}\), got \[1\]: " + EDITED),
+    ("speculators without draft_vocab_size", _edited(write_speculators, lambda c: c.pop("draft_vocab_size")),
+     "config.json has no 'draft_vocab_size' \\(a whole number >= 1\\), which this format always writes"),
+    ("speculators draft_vocab_size a string (was a d2t message)",
+     _edited(write_speculators, lambda c: c.update(draft_vocab_size="48")),
+     "config.json's 'draft_vocab_size' must be a whole number >= 1, got '48': " + EDITED),
+    ("speculators without vocab_size", _edited(write_speculators,
+                                               lambda c: c["transformer_layer_config"].pop("vocab_size")),
+     "config.json's transformer_layer_config has no 'vocab_size'"),
+    ("speculators export with a selfspec block that is a list", _edited(_speculators_export,
+                                                                        lambda c: c.update(selfspec=[1])),
+     "config.json's 'selfspec' must be an object, got \\[1\\]"),
+    ("SpecForge without hidden_size", _edited(write_specforge, lambda c: c.pop("hidden_size")),
+     "config.json has no 'hidden_size'"),
+    ("SpecForge without num_attention_heads", _edited(write_specforge, lambda c: c.pop("num_attention_heads")),
+     "config.json has no 'num_attention_heads'"),
+    ("SpecForge hidden_size a string (was 'hidden size: checkpoint 32, target 32')",
+     _edited(write_specforge, lambda c: c.update(hidden_size="32")),
+     "config.json's 'hidden_size' must be a whole number >= 1, got '32'"),
+    ("SpecForge KV heads not dividing the heads", _edited(write_specforge, lambda c: c.update(num_key_value_heads=3)),
+     "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("EAGLE authors' target_hidden_size a string (was 'its layer is 32 wide over a 32-wide target')",
+     _edited(write_eagle_authors, lambda c: c.update(target_hidden_size="32")),
+     "config.json's 'target_hidden_size' must be a whole number >= 1, got '32'"),
+    ("EAGLE authors' draft_vocab_size a string (was a d2t message)",
+     _edited(write_eagle_authors, lambda c: c.update(draft_vocab_size="48")),
+     "config.json's 'draft_vocab_size' must be a whole number >= 1, got '48'"),
+    ("EAGLE authors' heads not dividing the width", _edited(write_eagle_authors,
+                                                            lambda c: c.update(num_attention_heads=3)),
+     "hidden_size 32 is not a multiple of num_attention_heads 3"),
+    ("DFlash without hidden_size (was read as Qwen3's 4096)", _edited(write_dflash_zlab, lambda c: c.pop("hidden_size")),
+     "config.json has no 'hidden_size'"),
+    ("DFlash dflash_config a list", _edited(write_dflash_zlab, lambda c: c.update(dflash_config=[1])),
+     "config.json's 'dflash_config' must be an object"),
+    ("DFlash target_layer_ids a string", _edited(write_dflash_zlab,
+                                                 lambda c: c["dflash_config"].update(target_layer_ids="1,5,3")),
+     "config.json's dflash_config's 'target_layer_ids' must be a list of whole numbers >= 0, got '1,5,3'"),
+    ("Medusa medusa_num_layers a string", _edited(write_medusa_fd, lambda c: c.update(medusa_num_layers="1")),
+     "config.json's 'medusa_num_layers' must be a whole number >= 1, got '1'"),
+]
+
+
+@pytest.mark.parametrize("name,write,message", DAMAGED, ids=[d[0] for d in DAMAGED])
+def test_damaged_checkpoints_are_refused_naming_the_file_and_the_fix(name, write, message, tmp_path):
+    t = target()
+    folder = tmp_path / "ckpt"
+    write(folder, t)
+    for load in (lambda: heads.load(folder, target=t), lambda: SelfSpecModel.from_pretrained(str(folder), target=t)):
+        with pytest.raises(ValueError, match=message) as info:
+            load()
+        assert str(folder) in str(info.value)
+        assert "weights_only=False" not in str(info.value) and "weights_only` set to `False" not in str(info.value)
+
+
 def test_formats_needing_the_target_say_so(tmp_path):
     write_eagle_authors(tmp_path / "eagle", target())
     write_dflash_zlab(tmp_path / "dflash", target())

@@ -4,7 +4,7 @@
     selfspec regenerate --target smollm2-135m-instruct --data data/alpaca_smollm2_regenerated.jsonl --out a.jsonl
     selfspec calibrate --drafter runs/smollm2_eagle3/drafter --write
     selfspec bench --questions data/mt_bench.jsonl --drafter smollm2-135m-instruct-eagle3
-    selfspec export runs/smollm2_eagle3/drafter --format speculators --out exported/
+    selfspec export runs/smollm2_eagle3/drafter exported/ --format speculators
     selfspec import <another project's checkpoint> --target <target> --out <folder>
     selfspec serve | push | demo | synthesize ...
 
@@ -28,7 +28,7 @@ VERBS = {
     "calibrate": ("heads.calibration", "choose a drafter's tree for this machine and write it into its config"),
     "bench": ("train.bench", "benchmark drafters against the target on MT-bench or any prompts"),
     "serve": ("train.serve", "serve a drafter with vLLM (an OpenAI-compatible server)"),
-    "export": ("heads.export", "write a drafter in another project's format (speculators, SGLang, vLLM Medusa)"),
+    "export": ("heads.export_cli", "write a drafter in another project's format (speculators, SGLang, vLLM Medusa)"),
     "import": ("train.cli", "read another project's checkpoint (EAGLE, SpecForge, speculators, Medusa, DFlash) "
                             "and save it as a selfspec drafter"),
     "push": ("heads.publish", "upload a drafter to the Hugging Face Hub with its model card"),

@@ -139,13 +139,17 @@ def parse_spec_options(items: list[str]) -> dict:
 
 def speculation(args) -> tuple[str, str, dict, str]:
     """(target for vLLM, served name, speculative_config, what is served), exporting the drafter if one."""
+    from heads.export import check_out_dir
+
     options = parse_spec_options(args.spec)
     if args.drafter in DRAFTERLESS and not args.target:
         raise ServeError(f"{args.drafter!r} needs --target (the model to serve)")
     try:
+        if args.export_dir is not None:  # said before the drafter (or a target) loads
+            check_out_dir(args.export_dir)
         spec = speculative_config(args.drafter, target=args.target, export_dir=args.export_dir,
                                   num_speculative_tokens=args.num_speculative_tokens)
-    except ValueError as err:
+    except (ValueError, OSError) as err:
         raise ServeError(str(err)) from None
     target = args.target or spec.drafter.config.base_model_name_or_path
     if not target:

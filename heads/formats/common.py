@@ -3,15 +3,20 @@ target, and loading the mapped weights strictly."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pickle
+import re
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers import PretrainedConfig, PreTrainedModel
 from transformers.utils import cached_file
 
 from ..base import DrafterConfig, DrafterModel, text_config
+from ..folders import file_record
 
 # The weight files the formats here are published with; which of them a checkpoint holds is part of what
 # tells one format from another (EAGLE's authors publish pytorch_model.bin, SpecForge writes model.safetensors).
@@ -40,20 +45,134 @@ def read_tensors(path_or_id, name: str, **hub_kwargs) -> dict[str, torch.Tensor]
     path = resolve_file(path_or_id, name, **hub_kwargs)
     if path is None:
         raise FileNotFoundError(f"{path_or_id} has no {name}")
-    try:
-        if name.endswith(".safetensors"):
-            return load_file(path)
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (SafetensorError, RuntimeError, OSError, EOFError, ValueError) as err:
-        raise ValueError(f"cannot read {path}: {err}. Re-download the checkpoint") from err
+    if name.endswith(".safetensors"):
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"cannot read {path}: {err}. The file is corrupt or truncated: re-download the "
+                             "checkpoint") from err
+    else:
+        state = read_pickled(path)
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path} is not a state dict of tensors (name -> tensor)")
+        raise ValueError(f"{path} is not a state dict of tensors (name -> tensor) but a {type(state).__name__}: it "
+                         "was not written as a checkpoint of this format; re-download the checkpoint")
     return state
 
 
-def target_fields(target) -> dict:
-    """The drafter config's `target_*` fields of a target model or config; none without one."""
-    return DrafterConfig.target_fields(target) if target is not None else {}
+# What torch's weights-only unpickler raises on a file that is not a pickle of tensors: damaged bytes come out as
+# any of these, depending on where the damage falls.
+_UNREADABLE = (pickle.UnpicklingError, RuntimeError, EOFError, ValueError, KeyError, IndexError, TypeError,
+               AttributeError, UnicodeDecodeError)
+
+
+def read_pickled(path):
+    """What a `.pt`/`.bin` file holds, through torch's weights-only unpickler (tensors and plain containers only, so
+    a pickle cannot run code here). A file it cannot read is reported as corrupt or as not a file of tensors; torch's
+    own advice to load with `weights_only=False` (which runs whatever the file holds) is not passed on."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (PermissionError, FileNotFoundError) as err:
+        raise OSError(f"cannot read {path}: {err.strerror or err}") from err
+    except (*_UNREADABLE, OSError) as err:  # torch reports some damaged archives as an OSError (EINVAL)
+        found = re.search(r"WeightsUnpickler error:\s*(.+?)\s*(\n\n|$)", str(err), re.S)
+        detail = (found.group(1) if found else str(err).split(". ")[0]) or type(err).__name__
+        size = os.path.getsize(path)
+        raise ValueError(f"cannot read {path} ({size} bytes): it is corrupt or truncated, or not a file of tensors "
+                         f"(torch's safe loader says: {detail}). selfspec reads pickled weights only as tensors and "
+                         "plain containers, never running code from the file: re-download the checkpoint") from None
+
+
+# What a config value must be (in words, for the error) and the test for it; bools are not numbers here.
+def _whole(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+KINDS = {
+    "size": ("a whole number >= 1", lambda v: _whole(v) and v >= 1),
+    "id": ("a whole number >= 0", lambda v: _whole(v) and v >= 0),
+    "ids": ("a list of whole numbers >= 0", lambda v: isinstance(v, list) and all(_whole(i) and i >= 0 for i in v)),
+    "number": ("a number", lambda v: (_whole(v) or isinstance(v, float)) and not isinstance(v, bool)),
+    "name": ("a string", lambda v: isinstance(v, str)),
+    "flag": ("true or false", lambda v: isinstance(v, bool)),
+    "table": ("an object ({...})", lambda v: isinstance(v, dict)),
+}
+
+
+def check_config(what: str, config: dict, spec: dict[str, str], section: str = "config.json") -> None:
+    """Refuse a config whose keys in `spec` (key -> a kind of KINDS; "kind?" where the key may be absent or null)
+    are missing or of another kind, naming the key, the file and the fix, before any value is used."""
+    for key, kind in spec.items():
+        words, ok = KINDS[kind.rstrip("?")]
+        value = config.get(key)
+        if value is None and kind.endswith("?"):
+            continue
+        if value is None:
+            raise ValueError(f"{what}: {section} has no {key!r} ({words}), which this format always writes: the "
+                             "file is incomplete or was edited; re-download the checkpoint")
+        if not ok(value):
+            raise ValueError(f"{what}: {section}'s {key!r} must be {words}, got {value!r:.60}: the file was edited "
+                             "or damaged; re-download the checkpoint")
+
+
+def selfspec_fields(what: str, config: dict) -> dict:
+    """The `selfspec` block an export of ours adds to a format's config (drafter config fields the format does not
+    record: the target's layer count, the tree, provenance), without its record of the files; {} in a checkpoint
+    trained elsewhere."""
+    block = config.get("selfspec")
+    if block is None:
+        return {}
+    if not isinstance(block, dict):
+        raise ValueError(f"{what}: config.json's 'selfspec' must be an object, got {block!r:.60}: the file was edited "
+                         "or damaged; export the drafter again")
+    return {k: v for k, v in block.items() if k != "files"}
+
+
+def check_export_files(what: str, path_or_id, config: dict, needs: tuple[str, ...], **hub_kwargs) -> None:
+    """An export of ours (a config with a `selfspec` block) must hold every file it was written with, each the one
+    written then: its config records their sizes and sha256 (older exports record none; then `needs`, what the format
+    always writes, must be there). A folder whose config and weights come from two exports, or with a file missing,
+    would otherwise load as some other drafter, or with the target's embedding for DFlash's mask vector."""
+    block = config.get("selfspec")
+    if not isinstance(block, dict):
+        return
+    files = block.get("files") if isinstance(block.get("files"), dict) else dict.fromkeys(needs)
+    paths = {name: resolve_file(path_or_id, name, **hub_kwargs) for name in files}
+    missing = [name for name, path in paths.items() if path is None]
+    if missing:
+        raise ValueError(f"{what} is an export of selfspec's without its {' and '.join(missing)}: the export was "
+                         "interrupted or copied in part; export the drafter again (heads.export, scripts/export.py)")
+    differ = [name for name, record in files.items() if record is not None and file_record(paths[name]) != record]
+    if differ:
+        raise ValueError(f"{what}: its {' and '.join(differ)} {'is' if len(differ) == 1 else 'are'} not the file"
+                         f"{'' if len(differ) == 1 else 's'} this export wrote (size or sha256 differ from what "
+                         "config.json records): the folder mixes files of two exports, or was damaged; export the "
+                         "drafter again")
+
+
+# The target fields a drafter config records, as error messages call them.
+TARGET_FIELD_NAMES = {"target_model_type": "architecture (model_type)", "target_hidden_size": "hidden size",
+                      "target_vocab_size": "vocabulary size", "target_num_layers": "layer count"}
+
+
+def fields_for_target(what: str, recorded: dict, target) -> dict:
+    """Drafter config fields for a checkpoint that records `recorded` (what its format says of the target, and our
+    exports' `selfspec` block), completed from `target` (a model or config) where it records nothing. A recorded
+    field the target contradicts is refused by name: the drafter was trained for another target, and taking the
+    target's value would hide that."""
+    fields = dict(recorded)
+    if target is None:
+        return fields
+    theirs = DrafterConfig.target_fields(target)
+    problems = [f"{words}: checkpoint {recorded[k]!r}, target {theirs[k]!r}"
+                for k, words in TARGET_FIELD_NAMES.items() if recorded.get(k) is not None and recorded[k] != theirs[k]]
+    if problems:
+        given = theirs["base_model_name_or_path"] or theirs["target_model_type"]
+        trained_for = recorded.get("base_model_name_or_path") or "another model"
+        raise ValueError(f"{what} does not fit the target ({given}):\n  - " + "\n  - ".join(problems)
+                         + f"\nIt was trained for {trained_for}: load it with the target it was trained for, or train "
+                         "a drafter for this one")
+    fields.update({k: v for k, v in theirs.items() if fields.get(k) is None and v is not None})
+    return fields
 
 
 def check_fits(what: str, target, **sizes) -> None:
@@ -115,6 +234,18 @@ def check_vocab_map(what: str, d2t: torch.Tensor, t2d: torch.Tensor | None, draf
     if not torch.equal(marked, t2d.bool().cpu()):
         raise ValueError(f"{what}: t2d and d2t disagree ({int(t2d.bool().sum())} target ids marked, d2t reaches "
                          f"{draft_vocab}, {int((marked != t2d.bool().cpu()).sum())} differ); the map is damaged")
+
+
+@contextlib.contextmanager
+def named(what: str):
+    """The drafter's own config checks (a block size, feature layers the target lacks, ...) raised while building
+    from a checkpoint, named with the checkpoint they came from."""
+    try:
+        yield
+    except (ValueError, StrictDataclassError) as err:  # the latter: transformers' own config checks
+        raise ValueError(f"{what}: {err}") from None
+    except TypeError as err:
+        raise TypeError(f"{what}: {err}") from None
 
 
 def load_strict(model: DrafterModel, state: dict[str, torch.Tensor], what: str) -> DrafterModel:

@@ -20,16 +20,36 @@ given), unless the checkpoint carries `mask_embedding.pt` (our exports do).
 from __future__ import annotations
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from transformers import PreTrainedModel, Qwen3Config
 
 from ..dflash import DFlashConfig, DFlashModel
-from .common import check_fits, finish, load_strict, read_tensors, resolve_file, target_fields
+from .common import (
+    check_config,
+    check_export_files,
+    check_fits,
+    fields_for_target,
+    finish,
+    load_strict,
+    named,
+    read_pickled,
+    read_tensors,
+    resolve_file,
+    selfspec_fields,
+)
 
 NAME = "dflash_zlab"
 DESCRIPTION = "DFlash, z-lab's format (DFlashDraftModel config with dflash_config; vLLM and SGLang serve it)"
 MASK_FILE = "mask_embedding.pt"
 LAYER_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                 "head_dim", "hidden_act", "max_position_embeddings", "rms_norm_eps", "attention_bias")
+# config.json's keys read here and what each must be ("?": may be absent); the Qwen3 fields default to nothing
+# sensible for a drafter (a missing hidden_size would become Qwen3's 4096)
+CONFIG = {"hidden_size": "size", "vocab_size": "size", "intermediate_size": "size", "num_attention_heads": "size",
+          "num_hidden_layers": "size", "num_key_value_heads": "size?", "head_dim": "size?", "block_size": "size?",
+          "num_target_layers": "size?", "rms_norm_eps": "number?", "rope_theta": "number?",
+          "max_position_embeddings": "size?", "hidden_act": "name?", "dflash_config": "table?"}
+DFLASH_CONFIG = {"target_layer_ids": "ids?", "mask_token_id": "id?"}
 
 
 def detect(config: dict, files: frozenset[str]) -> bool:
@@ -53,7 +73,14 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> DFlashModel:
     what = f"DFlash checkpoint {path_or_id} (z-lab's format)"
     if config.get("model_type") != "qwen3":
         raise ValueError(f"{what}: model_type is {config.get('model_type')!r}; DFlash drafters are Qwen3 layers")
-    theirs = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")})
+    check_config(what, config, CONFIG)
+    check_config(what, config.get("dflash_config") or {}, DFLASH_CONFIG, section="config.json's dflash_config")
+    check_export_files(what, path_or_id, config, ("model.safetensors", MASK_FILE), **hub_kwargs)
+    try:
+        theirs = Qwen3Config(**{k: v for k, v in config.items() if k not in ("architectures", "auto_map", "model_type")})
+    except (ValueError, TypeError, StrictDataclassError) as err:
+        raise ValueError(f"{what}: config.json is not a Qwen3 config transformers accepts ({err}); re-download the "
+                         "checkpoint") from None
     count = theirs.num_hidden_layers
     sliding = [i for i, t in enumerate(theirs.layer_types[:count]) if t != "full_attention"]
     if sliding:
@@ -69,18 +96,17 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> DFlashModel:
             raise ValueError(f"{what} names neither dflash_config.target_layer_ids nor num_target_layers")
         ids = default_layer_ids(num_target, count)
     read = [i + 1 for i in ids]  # their feature for layer id i is hidden_states[i + 1], the output of layer i
-    fields = dict(config.get("selfspec") or {})  # what our own exports add; absent in z-lab's
-    fields.update({k: v for k, v in target_fields(target).items() if v is not None})
-    fields.setdefault("feature_layers", read)
-    fields.setdefault("target_hidden_size", theirs.hidden_size)
-    fields.setdefault("target_vocab_size", theirs.vocab_size)
-    fields.setdefault("target_num_layers", num_target)
-    fields.setdefault("mask_token_id", dflash.get("mask_token_id"))
+    recorded = {"feature_layers": read, "target_hidden_size": theirs.hidden_size, "target_vocab_size": theirs.vocab_size,
+                "target_num_layers": num_target, "mask_token_id": dflash.get("mask_token_id")}
+    # what our own exports add (absent in z-lab's), then the target's fields where neither records one
+    recorded.update({k: v for k, v in selfspec_fields(what, config).items() if v is not None})
+    fields = fields_for_target(what, recorded, target)
     fields.pop("attn_implementation", None)
     layer = {k: getattr(theirs, k) for k in LAYER_FIELDS}
     layer.update(model_type="qwen3", rope_parameters=dict(theirs.rope_parameters))
-    model = DFlashModel(DFlashConfig(layer_config=layer, num_layers=count, block_size=config.get("block_size", 16),
-                                     fc_bias=False, **fields))
+    with named(what):
+        model = DFlashModel(DFlashConfig(layer_config=layer, num_layers=count, block_size=config.get("block_size", 16),
+                                         fc_bias=False, **fields))
     if sorted(model.feature_layers) != sorted(read):
         raise ValueError(f"{what}: its selfspec block reads layers {list(model.feature_layers)}, its dflash_config "
                          f"{read}")
@@ -101,12 +127,17 @@ def mask_vector(path_or_id, what: str, mask_token_id, target, **hub_kwargs) -> t
     does (an embedding that scales inside, such as Gemma's, scales it too)."""
     path = resolve_file(path_or_id, MASK_FILE, **hub_kwargs)
     if path is not None:
-        saved = torch.load(path, map_location="cpu", weights_only=True)
-        if isinstance(saved, dict):
-            if mask_token_id is not None and saved.get("mask_token_id", mask_token_id) != mask_token_id:
-                raise ValueError(f"{what}: {MASK_FILE} is for mask token {saved['mask_token_id']}, the config's "
+        saved = read_pickled(path)
+        if isinstance(saved, dict) and isinstance(saved.get("embedding"), torch.Tensor):
+            saved_id = saved.get("mask_token_id", mask_token_id)
+            if mask_token_id is not None and saved_id != mask_token_id:
+                raise ValueError(f"{what}: {MASK_FILE} is for mask token {saved_id!r}, the config's "
                                  f"dflash_config.mask_token_id is {mask_token_id}")
             saved = saved["embedding"]
+        if not isinstance(saved, torch.Tensor) or not saved.is_floating_point():
+            raise ValueError(f"{path} holds {_described(saved)}, not DFlash's mask vector ({{'mask_token_id': <id>, "
+                             "'embedding': <float tensor [hidden size]>}, as heads.export.export_dflash writes it): "
+                             "export the drafter again, or remove the file to embed mask slots as mask_token_id")
         return saved.reshape(-1)
     if mask_token_id is None:
         raise ValueError(f"{what} has neither dflash_config.mask_token_id nor {MASK_FILE}: nothing says what its mask "
@@ -122,3 +153,11 @@ def mask_vector(path_or_id, what: str, mask_token_id, target, **hub_kwargs) -> t
     with torch.no_grad():
         row = embed(torch.tensor([int(mask_token_id)], device=embed.weight.device))
     return row[0].float().cpu().clone()
+
+
+def _described(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if isinstance(value, dict):
+        return f"a dict with keys {sorted(map(str, value))[:6]}"
+    return f"a {type(value).__name__}"

@@ -23,13 +23,15 @@ from transformers import LlamaConfig
 from ..base import text_config
 from ..eagle3 import Eagle3Config, Eagle3Model
 from .common import (
+    check_config,
     check_embedding,
     check_fits,
     check_vocab_map,
+    fields_for_target,
     finish,
     load_strict,
+    named,
     read_tensors,
-    target_fields,
 )
 
 NAME = "eagle_authors"
@@ -40,6 +42,30 @@ def is_llama_eagle3(config: dict) -> bool:
     """A config of the LlamaForCausalLMEagle3 family that EAGLE's authors and SpecForge both write."""
     return (config.get("model_type") == "llama" and "draft_vocab_size" in config
             and "speculators_model_type" not in config)
+
+
+# config.json's keys a LlamaForCausalLMEagle3 checkpoint (theirs, SpecForge's) is read by, and what each must be ("?":
+# may be absent or null)
+CONFIG = {"hidden_size": "size", "vocab_size": "size", "draft_vocab_size": "size", "intermediate_size": "size",
+          "num_attention_heads": "size", "num_key_value_heads": "size?", "head_dim": "size?",
+          "target_hidden_size": "size?", "num_hidden_layers": "size?", "rms_norm_eps": "number?",
+          "rope_theta": "number?", "max_position_embeddings": "size?", "hidden_act": "name?",
+          "eagle_config": "table?", "rope_scaling": "table?", "rope_parameters": "table?"}
+
+
+def check_llama_eagle3_config(what: str, config: dict, head_dim: bool) -> None:
+    """Refuse, naming the key and the fix, a config missing a key the layer is built from or holding one of another
+    kind; and head counts that do not divide (with `head_dim=False`, their code's head width is hidden_size /
+    num_attention_heads)."""
+    check_config(what, config, CONFIG)
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    if not head_dim and config["hidden_size"] % heads:
+        raise ValueError(f"{what}: config.json's hidden_size {config['hidden_size']} is not a multiple of "
+                         f"num_attention_heads {heads} (their layer's head width is hidden_size / num_attention_heads): "
+                         "the file was edited or damaged; re-download the checkpoint")
+    if heads % kv:
+        raise ValueError(f"{what}: config.json's num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                         f"{kv}: the file was edited or damaged; re-download the checkpoint")
 
 
 # Config keys only SpecForge writes (its capture layers and options): their code would ignore them, so a checkpoint
@@ -59,6 +85,7 @@ def target_name(config: dict) -> str | None:
 
 def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     what = f"EAGLE-3 checkpoint {path_or_id} (EAGLE authors' format)"
+    check_llama_eagle3_config(what, config, head_dim=False)
     if target is None:
         raise ValueError(f"{what} records neither its target nor which target layers it reads (2, L//2 and L-3 of "
                          "an L-layer target): pass target=<the model it was trained for>")
@@ -100,10 +127,10 @@ def llama_eagle3(config: dict, tensors: dict[str, torch.Tensor], *, what: str, t
     computes, with its weights: `midlayer.*` becomes our first layer, `midlayer.hidden_norm` our hidden_norm, and an
     `fc.bias` (SGLang's `bias: true`) our fc's bias. `fields` are further config fields (tree, provenance)."""
     d, vocab, draft_vocab = config["hidden_size"], config["vocab_size"], config["draft_vocab_size"]
-    if config.get("target_hidden_size", d) != d:
-        raise ValueError(f"{what}: its layer is {d} wide over a {config['target_hidden_size']}-wide target "
-                         "(target_hidden_size); selfspec's EAGLE-3 drafter is as wide as its target")
-    if config.get("num_hidden_layers", 1) != 1:
+    if (config.get("target_hidden_size") or d) != d:
+        raise ValueError(f"{what}: its layer is {d} wide (hidden_size) over a {config['target_hidden_size']}-wide "
+                         "target (target_hidden_size); selfspec's EAGLE-3 drafter is as wide as its target")
+    if (config.get("num_hidden_layers") or 1) != 1:
         raise ValueError(f"{what}: num_hidden_layers is {config['num_hidden_layers']}; this format has one layer "
                          "(midlayer)")
     check_fits(what, target, hidden_size=d, vocab_size=vocab)
@@ -129,20 +156,23 @@ def llama_eagle3(config: dict, tensors: dict[str, torch.Tensor], *, what: str, t
             t2d[torch.arange(draft_vocab) + state["d2t"].long()] = True
             state["t2d"] = t2d
         state["d2t"], state["t2d"] = state["d2t"].long(), state["t2d"].bool()
-    heads = config["num_attention_heads"]
-    layer = LlamaConfig(
-        vocab_size=vocab, hidden_size=d, intermediate_size=config["intermediate_size"], num_hidden_layers=1,
-        num_attention_heads=heads, num_key_value_heads=config.get("num_key_value_heads") or heads, head_dim=head_dim,
-        hidden_act=config.get("hidden_act", "silu"), rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_position_embeddings=config.get("max_position_embeddings", 2048), rope_parameters=llama_rope(config, what),
-        attention_bias=False, mlp_bias=False).to_diff_dict()
+    heads, rope = config["num_attention_heads"], llama_rope(config, what)
+    with named(what):
+        layer = LlamaConfig(
+            vocab_size=vocab, hidden_size=d, intermediate_size=config["intermediate_size"], num_hidden_layers=1,
+            num_attention_heads=heads, num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=head_dim, hidden_act=config.get("hidden_act", "silu"),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=config.get("max_position_embeddings", 2048), rope_parameters=rope,
+            attention_bias=False, mlp_bias=False).to_diff_dict()
     for key in ("transformers_version", "use_cache", "bos_token_id", "eos_token_id", "pad_token_id",
                 "tie_word_embeddings"):
         layer.pop(key, None)
     layer["model_type"] = "llama"
-    fields = {**(fields or {}), "target_hidden_size": d, "target_vocab_size": vocab}
-    fields.update({k: v for k, v in target_fields(target).items() if v is not None})
-    eagle3 = Eagle3Config(layer_style="llama", layer_config=layer, attn_implementation="sdpa", input_mode="widen",
-                          feature_layers=feature_layers, draft_vocab_size=draft_vocab, norm_before_residual=False,
-                          fc_bias="fc.bias" in state, num_layers=1, **fields)
-    return finish(load_strict(Eagle3Model(eagle3), state, what), target)
+    fields = fields_for_target(what, {**(fields or {}), "target_hidden_size": d, "target_vocab_size": vocab}, target)
+    with named(what):
+        model = Eagle3Model(Eagle3Config(
+            layer_style="llama", layer_config=layer, attn_implementation="sdpa", input_mode="widen",
+            feature_layers=feature_layers, draft_vocab_size=draft_vocab, norm_before_residual=False,
+            fc_bias="fc.bias" in state, num_layers=1, **fields))
+    return finish(load_strict(model, state, what), target)

@@ -21,11 +21,22 @@ import warnings
 import torch
 
 from ..medusa import MedusaConfig, MedusaModel
-from .common import check_fits, finish, load_strict, read_tensors, resolve_file, target_fields
+from .common import (
+    check_config,
+    check_fits,
+    fields_for_target,
+    finish,
+    load_strict,
+    named,
+    read_tensors,
+    resolve_file,
+)
 
 NAME = "medusa_fd"
 DESCRIPTION = "Medusa-1, FasterDecoding's format (medusa_num_heads config, medusa_lm_head.safetensors or .pt)"
 WEIGHT_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+# config.json's keys read here and what each must be ("?": may be absent or null)
+CONFIG = {"medusa_num_heads": "size?", "medusa_num_layers": "size?", "base_model_name_or_path": "name?"}
 
 
 def detect(config: dict, files: frozenset[str]) -> bool:
@@ -38,11 +49,10 @@ def target_name(config: dict) -> str | None:
 
 def load(path_or_id, config: dict, target=None, **hub_kwargs) -> MedusaModel:
     what = f"Medusa checkpoint {path_or_id} (FasterDecoding's format)"
+    check_config(what, config, CONFIG)
     name = next(f for f in WEIGHT_FILES if resolve_file(path_or_id, f, **hub_kwargs) is not None)
     tensors = {k.removeprefix("medusa_head."): v for k, v in read_tensors(path_or_id, name, **hub_kwargs).items()}
-    num_layers = config.get("medusa_num_layers", 1)
-    if not isinstance(num_layers, int) or num_layers < 1:
-        raise ValueError(f"{what}: medusa_num_layers must be an int >= 1, got {num_layers!r}")
+    num_layers = config.get("medusa_num_layers") or 1
     heads = sorted({int(m.group(1)) for k in tensors if (m := re.fullmatch(r"(\d+)\.\d+\..*", k))})
     if not heads or heads != list(range(len(heads))):
         raise ValueError(f"{what}: expected heads 0..K-1 keyed '<head>.<block>.linear.weight', found keys "
@@ -72,9 +82,9 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> MedusaModel:
         if lm_head is not None:
             state[f"heads.{i}.lm_head.weight"] = lm_head
     state.update(tensors)  # anything left is unexpected
-    fields = {"base_model_name_or_path": config.get("base_model_name_or_path"), "target_hidden_size": hidden,
-              "target_vocab_size": vocab}
-    fields.update({k: v for k, v in target_fields(target).items() if v is not None})
-    model = MedusaModel(MedusaConfig(num_heads=len(heads), num_layers=num_layers, share_lm_head=False,
-                                     projection_bias=False, **fields))
+    fields = fields_for_target(what, {"base_model_name_or_path": config.get("base_model_name_or_path"),
+                                      "target_hidden_size": hidden, "target_vocab_size": vocab}, target)
+    with named(what):
+        model = MedusaModel(MedusaConfig(num_heads=len(heads), num_layers=num_layers, share_lm_head=False,
+                                         projection_bias=False, **fields))
     return finish(load_strict(model, state, what), target)

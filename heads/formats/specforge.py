@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from ..base import text_config
 from ..eagle3 import Eagle3Model
-from .common import read_tensors, resolve_file
-from .eagle_authors import SPECFORGE_KEYS, is_llama_eagle3, llama_eagle3
+from .common import check_config, check_export_files, read_tensors, resolve_file, selfspec_fields
+from .eagle_authors import SPECFORGE_KEYS, check_llama_eagle3_config, is_llama_eagle3, llama_eagle3
 
 NAME = "specforge"
 DESCRIPTION = "EAGLE-3, SpecForge's format (LlamaForCausalLMEagle3 config, model.safetensors; SGLang serves it)"
@@ -44,6 +44,10 @@ def target_name(config: dict) -> str | None:
 
 def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     what = f"EAGLE-3 checkpoint {path_or_id} (SpecForge's format)"
+    check_llama_eagle3_config(what, config, head_dim=config.get("head_dim") is not None)
+    check_config(what, config.get("eagle_config") or {}, {"eagle_aux_hidden_state_layer_ids": "ids?"},
+                 section="config.json's eagle_config")
+    check_export_files(what, path_or_id, config, ("model.safetensors",), **hub_kwargs)
     if config.get("fc_norm"):
         raise ValueError(f"{what} has fc_norm: true (an RMSNorm per captured layer before fc), which selfspec's "
                          "EAGLE-3 drafter does not have")
@@ -63,6 +67,6 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     name = "model.safetensors" if resolve_file(path_or_id, "model.safetensors", **hub_kwargs) else "pytorch_model.bin"
     tensors = read_tensors(path_or_id, name, **hub_kwargs)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    selfspec = config.get("selfspec") or {}
+    selfspec = selfspec_fields(what, config)
     return llama_eagle3(config, tensors, what=what, target=target, feature_layers=[i + 1 for i in ids],
                         head_dim=head_dim, fields={k: selfspec[k] for k in SELFSPEC_FIELDS if k in selfspec})

@@ -13,7 +13,8 @@ from __future__ import annotations
 from safetensors import safe_open
 
 from ..eagle3 import Eagle3Model
-from ..export import import_speculators
+from ..export import check_speculators, speculators_drafter
+from ..weights import check_weights_file
 from .common import check_embedding, check_fits, check_vocab_map, finish, resolve_file
 
 NAME = "speculators"
@@ -39,15 +40,16 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     flags = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if config.get(f)]
     if flags:
         raise ValueError(f"{what} sets {flags}, which selfspec's EAGLE-3 drafter does not compute")
-    layer = config.get("transformer_layer_config") or {}
-    vocab, draft_vocab = layer.get("vocab_size"), config.get("draft_vocab_size")
-    check_fits(what, target, hidden_size=config.get("target_hidden_size") or layer.get("hidden_size"),
-               vocab_size=vocab)
+    check_speculators(what, config, path_or_id, **hub_kwargs)
+    layer = config["transformer_layer_config"]
+    vocab, draft_vocab = layer["vocab_size"], config["draft_vocab_size"]
+    check_fits(what, target, hidden_size=config.get("target_hidden_size") or layer["hidden_size"], vocab_size=vocab)
     weights = resolve_file(path_or_id, "model.safetensors", **hub_kwargs)
     if weights is not None:  # the map and embedding are checked before the whole file is read
+        check_weights_file(path_or_id, **hub_kwargs)  # a damaged file is named before it is opened
         with safe_open(weights, framework="pt") as f:
             small = {k: f.get_tensor(k) for k in ("d2t", "t2d", "embed_tokens.weight") if k in f.keys()}
         check_embedding(what, small, "embed_tokens.weight", target)
-        if "d2t" in small and vocab and draft_vocab:
+        if "d2t" in small:
             check_vocab_map(what, small["d2t"], small.get("t2d"), draft_vocab, vocab)
-    return finish(import_speculators(path_or_id, target=target, **hub_kwargs), target)
+    return finish(speculators_drafter(what, path_or_id, config, target=target, **hub_kwargs), target)
