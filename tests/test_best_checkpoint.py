@@ -57,7 +57,7 @@ def test_best_holds_the_drafter_of_the_highest_simulated_tau_not_the_last(worksp
     last = load_file(out / "drafter" / "model.safetensors")
     assert saved.keys() and all(torch.equal(saved[k], at_best[f"drafter.{k}"]) for k in saved)
     assert not all(torch.equal(saved[k], last[k]) for k in saved)
-    assert not (out / "best.tmp").exists() and not (out / "best.old").exists()
+    assert sorted(p.name for p in out.iterdir() if "best" in p.name) == ["best"]  # no partial or old copy left
     assert json.loads((out / "result.json").read_text())["best"]["step"] == best_step
 
 

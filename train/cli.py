@@ -39,6 +39,7 @@ VERBS = {
 def import_main(argv=None) -> int:
     """`selfspec import`: a drafter in another project's format, checked against its target, saved as ours."""
     import heads
+    from heads.folders import written_whole
     from infer.embedded import resolve_target
 
     parser = argparse.ArgumentParser(prog="selfspec import", description=VERBS["import"][1])
@@ -55,9 +56,8 @@ def import_main(argv=None) -> int:
         parser.error(f"{args.source!r} is a selfspec drafter already: use it as it is")
     target, _ = resolve_target(args.target)
     drafter = heads.load(args.source, target=target)
-    staging = out.with_name(f".{out.name}.importing")  # renamed into place once whole: a kill leaves no half folder
-    drafter.save_pretrained(staging)
-    staging.rename(out)
+    with written_whole(out) as partial:  # renamed into place once whole: a kill leaves no half folder
+        drafter.save_pretrained(partial)
     print(f"imported {args.source} as a {drafter.config.model_type} drafter: {out}")
     return 0
 

@@ -47,6 +47,7 @@ import torch  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 
 import heads  # noqa: E402
+from heads.folders import written_whole  # noqa: E402
 from heads.hub import check_push  # noqa: E402
 from heads.losses import StepStats  # noqa: E402
 from train.config import TrainConfig, load_config, to_dict, validate  # noqa: E402
@@ -840,24 +841,15 @@ def track_best(config: TrainConfig, accelerator, inputs: Inputs, run: Run, metri
 
 
 def save_best(config: TrainConfig, accelerator, run: Run, inputs: Inputs, metrics: dict) -> None:
-    """The drafter as it is now into <output_dir>/best, swapped in whole: written to best.tmp, then renamed,
-    so a kill leaves the previous best (or best.old, moved back on the next save) and never half of one."""
-    out = Path(config.output_dir)
-    best, tmp, old = out / BEST, out / f"{BEST}.tmp", out / f"{BEST}.old"
+    """The drafter as it is now into <output_dir>/best, swapped in whole (`heads.folders.written_whole`): a kill
+    leaves the previous best and never half of one."""
+    best = Path(config.output_dir) / BEST
     if accelerator.is_main_process:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if old.exists() and not best.exists():
-            os.replace(old, best)  # a kill between the two renames below
-        shutil.rmtree(old, ignore_errors=True)
         record = {"step": run.progress.step, "eval": metrics,
                   "wall_seconds": round(time.perf_counter() - run.t_start, 1)}
-        with disk_full_named(config, best, "the best drafter", partial=tmp):
+        with written_whole(best) as partial, disk_full_named(config, best, "the best drafter", partial=partial):
             save_drafter(config, accelerator, run.objective, inputs.lora_target, record, data_info(config, inputs),
-                         folder=tmp)
-        if best.exists():
-            os.replace(best, old)
-        os.replace(tmp, best)
-        shutil.rmtree(old, ignore_errors=True)
+                         folder=partial)
     accelerator.wait_for_everyone()
 
 
