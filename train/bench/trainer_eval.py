@@ -1,0 +1,107 @@
+"""Every trainer's drafter measured by selfspec's engine: greedy, the drafter alone, at the same trees.
+
+A drafter folder (selfspec's own, SpecForge's SGLang export, a speculators checkpoint) is imported by
+`heads.load(folder, target=target)`, the same path `SelfSpecModel.from_pretrained` takes, and generates each
+prompt's first turn greedily through `SelfSpecModel(target, drafter, tree=..., lookup_first=False,
+int8_drafter=False)`: the drafter's own fp32 weights rank its drafts, so no drafter's quantized copy decides a
+near-tie. The trees:
+
+    chain7      a 7-token chain (depth 7, top-1), as the papers' anchors draft
+    tree60      EAGLE-2's dynamic tree: depth 6, top-k 10, the 60 best drafted nodes kept
+    calibrated  the tree `infer.calibrate.choose` picks for this machine from the drafter's acceptance on the
+                calibration prompts (held-out prompts not measured here) and this machine's verify and draft costs
+
+tau = new tokens after the prefill's / decoding steps after the prefill (each step's accepted drafts plus its
+bonus token), summed over a prompt set: the papers' mean accepted length.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+TREES = {
+    "chain7": {"mode": "dynamic", "depth": 7, "top_k": 1, "total_tokens": 7, "min_confidence": 0.0},
+    "tree60": {"mode": "dynamic", "depth": 6, "top_k": 10, "total_tokens": 60, "min_confidence": 0.0},
+}
+CALIBRATED = "calibrated"
+SETTINGS = (*TREES, CALIBRATED)
+TAU_FILE = "tau.json"
+
+
+def prompt_sets(tokenizer, mt_bench: str | Path, heldout: str | Path, count: int,
+                calibration: int) -> tuple[dict[str, list[torch.Tensor]], list[torch.Tensor]]:
+    """({"mt_bench": ..., "alpaca_heldout": ...}, calibration prompts): MT-bench's first `count` questions, at
+    most `count // 8` a category (first turns), and the first `count` held-out Alpaca prompts; the calibration
+    prompts are the last `calibration` held-out ones, which no measurement uses."""
+    from infer.tuning.acceptance import encode_prompts, load_prompts
+    from train.bench.harness import load_questions, render
+
+    questions = load_questions(mt_bench, limit=count, per_category=max(1, count // 8))
+    alpaca = load_prompts(heldout)
+    if count + calibration > len(alpaca):
+        raise ValueError(f"{heldout} holds {len(alpaca)} prompts: fewer than the {count} measured and the "
+                         f"{calibration} calibration prompts, which must not overlap; lower --prompts or "
+                         "--calibration-prompts")
+    sets = {"mt_bench": [render(tokenizer, [{"role": "user", "content": q["turns"][0]}]) for q in questions],
+            "alpaca_heldout": encode_prompts(tokenizer, alpaca[:count])}
+    return sets, encode_prompts(tokenizer, alpaca[len(alpaca) - calibration:])
+
+
+def import_drafter(folder: Path, target):
+    """(drafter, None), or (None, the error) where selfspec cannot import the checkpoint."""
+    import heads
+
+    try:
+        return heads.load(str(folder), target=target).to(torch.float32).eval(), None
+    except (ValueError, TypeError, KeyError, OSError, RuntimeError) as err:
+        return None, f"{type(err).__name__}: {err}"
+
+
+def tau(target, drafter, tree: dict, prompts: list[torch.Tensor], max_new_tokens: int, tokenizer=None) -> dict:
+    """Greedy generation of every prompt with `tree`: tau and what it is made of."""
+    from infer import SelfSpecModel
+
+    model = SelfSpecModel(target, drafter, tree=tree, lookup_first=False, int8_drafter=False, tokenizer=tokenizer)
+    tokens = steps = 0
+    tic = time.perf_counter()
+    with torch.inference_mode():
+        for ids in prompts:
+            model.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
+            stats = model.last_stats
+            tokens += stats["new_tokens"] - 1  # the prefill's token is no decoding step's
+            steps += stats["target_forwards"] - 1
+    return {"tau": round(tokens / steps, 4) if steps else None, "tokens": tokens, "steps": steps,
+            "seconds": round(time.perf_counter() - tic, 1)}
+
+
+def calibrated_tree(target, drafter, prompts: list[torch.Tensor], tokenizer=None) -> dict:
+    from infer.calibrate import choose
+
+    return choose(target, drafter, prompts, lookup_first=False, tokenizer=tokenizer).tree
+
+
+def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]], calibration: list[torch.Tensor],
+            max_new_tokens: int, out: Path) -> dict:
+    """tau of the drafter in `folder` at every setting on every prompt set, kept in `out` (a finished measurement
+    with the same settings is read back, not repeated)."""
+    settings = {"prompts": {name: len(p) for name, p in sets.items()}, "calibration_prompts": len(calibration),
+                "max_new_tokens": max_new_tokens, "trees": TREES}
+    if out.is_file():
+        kept = json.loads(out.read_text())
+        if kept.get("settings") == settings and "import_error" not in kept:  # an importer may be fixed since
+            return kept
+    drafter, error = import_drafter(folder, target)
+    if drafter is None:
+        result = {"settings": settings, "import_error": error}
+    else:
+        trees = dict(TREES)
+        trees[CALIBRATED] = calibrated_tree(target, drafter, calibration, tokenizer)
+        result = {"settings": settings, "trees": trees,
+                  "tau": {setting: {name: tau(target, drafter, tree, prompts, max_new_tokens, tokenizer)
+                                    for name, prompts in sets.items()} for setting, tree in trees.items()}}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
