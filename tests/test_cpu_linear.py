@@ -67,10 +67,11 @@ def test_engine_output_same_with_and_without_prepack(arch):
     assert not any("forward" in m.__dict__ for m in target.modules())  # the target is left as it was
 
 
-def test_default_policy_is_cpu_fp32_only():
+def test_default_policy_is_cpu_fp32_and_bf16():
     model = tiny_model("llama")
     assert linear.worth_it(model)
-    assert not linear.worth_it(model.to(torch.bfloat16))
+    assert linear.worth_it(model.to(torch.bfloat16))  # streamed in place: no copy to fit
+    assert not linear.worth_it(model.to(torch.float16))
     assert not linear.worth_it(nn.Module())
 
 
@@ -97,6 +98,28 @@ def test_streamed_rows_match_plain_linear(rows, shape):
         got = layer(x)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert len(cache) == 0  # the streamed kernel ran, not oneDNN's packed GEMM
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 9, 16])
+@pytest.mark.parametrize("shape", [(48, 80, True), (37, 18, False)])  # in, out (tails), bias
+def test_bf16_rows_stream_as_fp32_sums_rounded_once(rows, shape):
+    """A bf16 layer's rows (one included) run on the streamed kernel: the bf16 weight widened exactly, fp32 sums,
+    one rounding to bf16; blocks past stream_rows stay torch's."""
+    kernel = _kernel()
+    in_features, out_features, bias = shape
+    torch.manual_seed(rows)
+    layer = nn.Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    x = torch.randn(1, rows, 2 * in_features).to(torch.bfloat16)[..., ::2]  # not contiguous
+    exact = x.double() @ layer.weight.double().T + (layer.bias.double() if bias else 0)
+    with torch.no_grad(), linear.prepacked_linears(layer, stream_rows=16):
+        got = layer(x)
+    assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
+    # within one bf16 rounding of the exact product (fp32 sums in another order than the double reference)
+    torch.testing.assert_close(got.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
+    assert torch.equal(got[0], kernel.few_rows_linear(x[0].float(), layer.weight,
+                                                      layer.bias.float() if bias else None).to(torch.bfloat16))
+    with torch.no_grad(), linear.prepacked_linears(layer, stream_rows=rows - 1 if rows > 1 else 0):
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))  # torch's own
 
 
 def test_blocks_above_stream_rows_go_to_onednn():
@@ -232,7 +255,7 @@ def test_int8_and_fp32_weights_side_by_side_in_one_pass():
         kernel.few_rows_linear_cat(x, [q], [None], [scale[:5]])
     with pytest.raises(RuntimeError, match="one scale \\(or None\\) per weight"):
         kernel.few_rows_linear_cat(x, [fp32, q], [None, None], [scale])
-    with pytest.raises(RuntimeError, match="float32, int8 or 4-bit \\(uint8\\) weights only"):
+    with pytest.raises(RuntimeError, match="float32, bfloat16, int8 or 4-bit \\(uint8\\) weights only"):
         kernel.few_rows_linear_cat(x, [fp32.double()], [None])
 
 

@@ -48,9 +48,14 @@ def available() -> bool:
 
 
 def worth_it(model: nn.Module, max_ram_fraction: float = 0.25) -> bool:
-    """Default policy: a CPU fp32 model whose linear weights (to be copied) take at most a quarter of RAM."""
+    """Default policy: a CPU fp32 model whose linear weights (to be copied) take at most a quarter of RAM, or a CPU
+    bf16 model (its weights stream in place: no copy)."""
     params = list(model.parameters())
-    if not params or params[0].device.type != "cpu" or params[0].dtype != torch.float32 or not available():
+    if not params or params[0].device.type != "cpu" or not available():
+        return False
+    if params[0].dtype == torch.bfloat16:
+        return True
+    if params[0].dtype != torch.float32:
         return False
     linear_bytes = sum(m.weight.numel() * 4 for m in model.modules() if isinstance(m, nn.Linear))
     try:
@@ -94,20 +99,34 @@ def _forward(layer: nn.Linear, plain_forward):
     key = id(layer)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
-        # x: [..., in_features]; one row (decode), autograd or torch.compile tracing -> the plain path
+        # x: [..., in_features]; autograd, torch.compile tracing or another device -> the plain path
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if (rows <= 1 or torch.is_grad_enabled() or torch.compiler.is_compiling()
-                or x.dtype != torch.float32 or x.device.type != "cpu" or layer.weight.dtype != torch.float32):
+        if torch.is_grad_enabled() or torch.compiler.is_compiling() or x.device.type != "cpu":
             return plain_forward(x)
         setting = getattr(_this_thread, "layers", {}).get(key)
         if setting is None:
             return plain_forward(x)
         cache, stream_rows, kernel = setting
+        if x.dtype == layer.weight.dtype == torch.bfloat16:
+            return _bf16_forward(layer, x, rows, stream_rows, kernel, plain_forward)
+        if rows <= 1 or x.dtype != torch.float32 or layer.weight.dtype != torch.float32:
+            return plain_forward(x)  # one row (decode): the stock GEMV streams fp32 weights at the memory's pace
         if kernel is not None and rows <= stream_rows:
             y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, cache.get(layer.weight), layer.bias, "none", [], "")
     return forward
+
+
+def _bf16_forward(layer: nn.Linear, x: torch.Tensor, rows: int, stream_rows: int, kernel, plain_forward):
+    """A bf16 layer on 1..stream_rows rows through the streamed kernel: the weight widened to fp32 as it streams (half
+    of fp32's bytes), fp32 products and sums, the output rounded to bf16 once, as torch's bf16 matmul rounds it.
+    torch's own bf16 GEMV on a CPU reads its weight far below the memory's pace (docs/benchmarks.md)."""
+    if kernel is None or not 1 <= rows <= stream_rows:
+        return plain_forward(x)
+    bias = None if layer.bias is None else layer.bias.float()
+    y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]).float(), layer.weight, bias)
+    return y.to(torch.bfloat16).reshape(*x.shape[:-1], y.shape[-1])
 
 
 def _plain(weight: torch.Tensor) -> bool:
@@ -140,7 +159,7 @@ def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None,
                 layer.forward = _patched[id(layer)][0]
             _patched[id(layer)][1] += 1
     outer = getattr(_this_thread, "layers", {})
-    _this_thread.layers = {**outer, **{id(layer): (cache, stream_rows, streamed_kernel() if stream_rows > 1
+    _this_thread.layers = {**outer, **{id(layer): (cache, stream_rows, streamed_kernel() if stream_rows > 0
                                                    and layer.weight.is_contiguous() else None) for layer in layers}}
     try:
         yield

@@ -13,6 +13,7 @@ import time
 import warnings
 
 import torch
+import torch.nn.functional as F
 from transformers import PreTrainedModel
 
 from ..cpu import lean_forward, linear
@@ -168,16 +169,19 @@ def stream_rows(model, *, repeats: int = 3) -> int:
 
 
 def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str, dict[int, float]]:
-    """Median seconds of every weight times n random rows, per kernel and n in STREAM_SIZES."""
+    """Median seconds of every weight times n random rows, per kernel and n in STREAM_SIZES; bf16 weights from one
+    row on, against torch's own bf16 matmul (they are never packed: the streamed kernel reads them in place)."""
     packed = linear.PackCache()
     seconds = {"streamed": {}, "onednn": {}}
+    bf16 = weights[0].dtype == torch.bfloat16
     runs = {  # inputs: in_features -> [n, in_features]
         "streamed": lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights],
-        "onednn": lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed.get(w), None,
-                                                                     "none", [], "") for w in weights],
+        "onednn": (lambda inputs: [F.linear(inputs[w.shape[1]].bfloat16(), w) for w in weights]) if bf16 else
+                  (lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed.get(w), None,
+                                                                      "none", [], "") for w in weights]),
     }
     with torch.inference_mode():
-        for n in STREAM_SIZES:
+        for n in ((1, *STREAM_SIZES) if bf16 else STREAM_SIZES):
             inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
             times = {name: [] for name in runs}
             for _ in range(repeats + 1):  # the kernels alternate, so a slow spell of the machine hits both

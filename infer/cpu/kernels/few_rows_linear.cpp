@@ -25,7 +25,9 @@
 // score only the tokens that could be a row's argmax (infer/cpu/argmax_head.py). Or in groups of 32 inputs with a
 // scale each: int8 (GGUF's Q8_0), or 4-bit with an offset too (GGUF's Q4_1), rebuilt in registers to the bits of
 // the fp32 weight they hold: how the `int4` self-drafter's lean forward runs, and how a target whose weights lie on
-// such a grid (one dequantized from a GGUF file) is verified; the products and sums stay fp32 in every format.
+// such a grid (one dequantized from a GGUF file) is verified; the products and sums stay fp32 in every format. A bf16
+// weight is widened exactly as it streams (half of fp32's bytes): a bf16 target's matmuls of 1..n rows run here,
+// where torch's own bf16 GEMV reads its weight far below the memory's pace on some CPUs.
 
 #include <torch/extension.h>
 
@@ -129,6 +131,17 @@ inline vec load_lanes(const int8_t* w) {
   std::memcpy(&v, &f, sizeof(v));
   return v;
 }
+// bf16 widened exactly: its 16 bits are the high half of the fp32 value it stands for (a zero extension and a shift).
+inline vec load_lanes(const c10::BFloat16* w) {
+#if defined(__AVX512F__)
+  __m512i i = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))), 16);
+#else
+  __m256i i = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))), 16);
+#endif
+  vec v;
+  std::memcpy(&v, &i, sizeof(v));
+  return v;
+}
 
 // y[r, n + b] = x[r, :] . w[n + b, :] (times scale[n + b] where `scale` is given) for r < R, b < B. x: [R, K]
 // (row stride K), w: [N, K] of T (fp32, or int8 converted to fp32 as it is loaded; the products and sums are
@@ -144,9 +157,9 @@ inline void tile(const float* x, const T* w, const float* scale, float* y, int64
     for (int b = 0; b < B; ++b) {
       const T* row = w + (n + b) * K + k;
       wv[b] = load_lanes(row);
-      // fp32: every step, as measured for it; int8: once per 64-byte line, not at each of its 4 (AVX-512) or 8
-      // steps, which measured about 7% faster for int8 weights at one row
-      if (sizeof(T) == sizeof(float) || k % 64 == 0) {
+      // fp32: every step, as measured for it; int8 (and bf16): once per 64-byte line, not at each of its steps,
+      // which measured about 7% faster for int8 weights at one row
+      if (sizeof(T) == sizeof(float) || k % (64 / sizeof(T)) == 0) {
         __builtin_prefetch(row + ahead, 0, 3);
         __builtin_prefetch(row + far_ahead, 0, 1);
       }
@@ -371,7 +384,7 @@ inline void weight_item(const float* x, const W& w, float* y, int64_t M, int64_t
 // A weight [N, K] as few_rows_linear_cat reads it, and how: fp32 rows (no scale, no low); int8 rows with one fp32
 // scale a row [N]; int8 groups, a scale [N, K / kGroup]; 4-bit groups, uint8 [N, K / 2] with a scale and a low
 // [N, K / kGroup] each. Everything contiguous.
-enum class Format { kFloat, kInt8Rows, kInt8Groups, kInt4Groups };
+enum class Format { kFloat, kBFloat16, kInt8Rows, kInt8Groups, kInt4Groups };
 
 Format check_weight(const torch::Tensor& weight, const c10::optional<torch::Tensor>& scale,
                     const c10::optional<torch::Tensor>& low, int64_t K, const char* name) {
@@ -387,6 +400,10 @@ Format check_weight(const torch::Tensor& weight, const c10::optional<torch::Tens
       TORCH_CHECK(weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
       TORCH_CHECK(!scaled && !offset, name, ": a scale or low is given for a float32 weight (they are for int rows)");
       return Format::kFloat;
+    case torch::kBFloat16:
+      TORCH_CHECK(weight.size(1) == K, name, ": weight [N, K] expected, with K = ", K);
+      TORCH_CHECK(!scaled && !offset, name, ": a scale or low is given for a bfloat16 weight (they are for int rows)");
+      return Format::kBFloat16;
     case torch::kChar:
       TORCH_CHECK(weight.size(1) == K, name, ": int8 weight [N, K] expected, with K = ", K);
       TORCH_CHECK(!offset, name, ": a low is given for int8 rows (it is for 4-bit groups)");
@@ -407,14 +424,15 @@ Format check_weight(const torch::Tensor& weight, const c10::optional<torch::Tens
                   "] float32 contiguous, one each a group of ", kGroup, " inputs");
       return Format::kInt4Groups;
     default:
-      TORCH_CHECK(false, name, ": float32, int8 or 4-bit (uint8) weights only, got ", weight.scalar_type());
+      TORCH_CHECK(false, name, ": float32, bfloat16, int8 or 4-bit (uint8) weights only, got ", weight.scalar_type());
   }
   return Format::kFloat;
 }
 
 }  // namespace
 
-// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, int8 rows with its scale [N_i], or grouped (int8 with a
+// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, bf16 (widened exactly as it is loaded: half of fp32's
+// bytes to stream), int8 rows with its scale [N_i], or grouped (int8 with a
 // scale [N_i, K / 32], 4-bit with a scale and a low: check_weight); fp32 products and sums either way, the weight
 // dequantized as it is loaded (a quarter of fp32's bytes to stream for int8, about a fifth for 4-bit groups);
 // biases, scales, lows: one (or None) per weight, or empty. Returns [M, sum N_i]: the weights' outputs side by side,
@@ -461,6 +479,9 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
       switch (format[i]) {
         case Format::kFloat:
           weight_item(xp, weights[i].data_ptr<float>(), out, M, K, width, N, item);
+          break;
+        case Format::kBFloat16:
+          weight_item(xp, weights[i].data_ptr<c10::BFloat16>(), out, M, K, width, N, item);
           break;
         case Format::kInt8Rows:
           weight_item(xp, weights[i].data_ptr<int8_t>(), out, M, K, width, N, item, scales[i]->data_ptr<float>());
