@@ -137,6 +137,7 @@ class Engine:
         self.static_cache = options.static_cache
         self.int8_argmax = options.int8_argmax
         self._verify_forward = None  # the target's compiled forward for verify blocks (static cache only)
+        self._verify_fallback: str | None = None  # why a compiled or captured verify forward was dropped, if it was
         self._cache: KVState | None = None  # the static KV cache, kept for the next call of the same shape
         # the drafter that runs forwards of its own (lookup-first wraps one)
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
@@ -162,6 +163,20 @@ class Engine:
                           "and without static_cache the verify is not compiled; nothing is compiled", stacklevel=4)
         if self.static_cache:
             self._verify_forward = _CompiledForward(self.target)
+
+    @contextlib.contextmanager
+    def verify_path(self):
+        """(forward, name): what a greedy verify step of this engine runs the target with, set up as generate sets
+        it up (prepacked linears, the lean forward), to time a step's parts (`train.bench`). A compiled or captured
+        verify runs on the static cache it was made for: there the eager forward is given, and its name says so."""
+        with torch.inference_mode(), generation_mode(self.target), cpu.prepacked_linears(
+                self.target, cache=self._packed, enabled=self.cpu_prepack, stream_rows=self._stream_rows):
+            lean = (cpu.lean_verify_forward(self.target, self._stream_rows, self._packed, argmax_only=self.int8_argmax)
+                    if self._lean_verify else None)
+            name = "lean" if lean is not None else "transformers"
+            if self._verify_forward is not None:
+                name += f" (eager: the {self._verify_forward_name()} forward needs its static cache)"
+            yield (lean if lean is not None else self.target), name
 
     def free_cache(self) -> None:
         """Drop the static KV cache kept between calls (the next call allocates a new one)."""
@@ -275,6 +290,10 @@ class Engine:
 
         if streamer is not None:
             streamer.end()
+        # what ran, read again at the end: a compiled or captured forward that failed mid-call fell back to eager
+        stats["verify_forward"] = self._verify_forward_name()
+        if self._verify_fallback is not None:
+            stats["verify_fallback"] = self._verify_fallback
         new_tokens = sum(len(o) for o in rows.out)
         # tau: new tokens per (row, target forward), the bonus token counted and the prefill included
         stats.update(new_tokens=new_tokens, accepted_lengths=rows.accepted,
@@ -355,13 +374,18 @@ class Engine:
                 warnings.warn(f"{what} the target's verify forward failed ({type(err).__name__}: "
                               f"{str(err)[:200]}); verifying goes on without {what}", stacklevel=4)
                 self._verify_forward = None
+                self._verify_fallback = f"{what} failed: {type(err).__name__}: {str(err)[:200]}"
                 kv.rollback(size)
         model = self._lean if self._lean is not None else self.target
         return forward_block(model, kv, offsets, attend, valid, input_ids=tokens, output_hidden_states=hidden)
 
     def _verify_forward_name(self) -> str:
+        """What runs the verify forward now: "cuda graphs", "static buffers" (the captured step uncaptured, on a
+        CPU), "compiled", "lean" (the CPU's own forward) or "transformers" (the model's modules)."""
         if isinstance(self._verify_forward, cuda.StepGraphs):
             return "cuda graphs" if self._verify_forward.capture else "static buffers"
+        if isinstance(self._verify_forward, _CompiledForward):
+            return "compiled"
         return "lean" if self._lean is not None else "transformers"
 
     def _lean_forward(self, settings: Settings) -> cpu.lean_forward.LeanForward | None:

@@ -62,9 +62,9 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
                        "--prompt-tokens", "16", "--repeats", "1", "--threads", "1", "--out", str(out)]) == 0
     result = json.loads((out / "results.json").read_text())
     rows = result["rows"]
-    assert list(rows) == ["hf_eager", "hf_static", "none", "none_static", "none_captured", "oracle:0.9",
-                          "oracle_tree:0.9", "oracle:0.9+static", "oracle:0.9+captured", "eagle3_tree60",
-                          "eagle3_tree60+captured"]
+    assert list(rows) == ["hf_eager", "hf_static", "none", "none_captured", "none_static", "oracle:0.9",
+                          "oracle_tree:0.9", "oracle:0.9+captured", "oracle:0.9+static", "eagle3_tree60",
+                          "eagle3_tree60+captured"]  # captured rows before compiled ones
     for name, r in rows.items():
         assert "error" not in r and "skipped" not in r, (name, r)
         assert r["new_tokens"] == 200 and r["tokens_per_s"] > 0 and r["ms_per_step"] > 0, name
@@ -79,7 +79,10 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
     tree = rows["oracle_tree:0.9"]
     assert tree["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 6, 8, 60))
     assert tree["accepted_per_step"] == pytest.approx(tree["expected_tau"], abs=1.2)
-    assert set(result["verify_ms_by_width"]) == {"1", "8", "32", "64", "128"}
+    widths = result["verify_ms_by_width"]
+    assert set(widths) == {"path", "1", "2", "4", "8", "16", "32"} and widths["path"] == rows["none"]["verify_forward"]
+    assert rows["none_captured"]["verify_forward"] == "static buffers"  # what ran, per row
+    assert rows["hf_eager"]["verify_forward"] == "transformers generate"
     assert result["memory_floor_ms"] > 0 and result["bandwidth_source"] == "measured read bandwidth (CPU)"
     assert result["settings"]["tree"] == gpu.EAGLE2_TREE and result["settings"]["compile"] is False
     md = (out / "results.md").read_text()
@@ -95,7 +98,7 @@ def test_rows_past_the_budget_are_skipped_and_said_so(tmp_path):
     assert "skipped" in result["verify_ms_by_width"]
     assert result["bandwidth_gb_s"] == 4800 and result["bandwidth_source"] == "--bandwidth-gbs"
     # the floor is the weights' bytes at that bandwidth
-    assert result["memory_floor_ms"] == pytest.approx(1000 * result["weight_gb"] / 4800)
+    assert result["memory_floor_ms"] == pytest.approx(1000 * result["step_weight_gb"] / 4800)
 
 
 def test_an_oracle_row_settles_on_what_the_target_emits_with_it():
@@ -135,3 +138,26 @@ def test_a_row_that_errors_makes_the_exit_code_nonzero(tmp_path, monkeypatch, ca
     rows = json.loads((out / "results.json").read_text())["rows"]
     assert rows["broken"]["error"] == "RuntimeError: out of memory" and rows["hf_eager"]["tokens_per_s"] > 0
     assert "1 row(s) failed: broken (their errors are in results.json); exit code 1" in capsys.readouterr().err
+
+
+def test_a_row_whose_capture_or_compile_fell_back_is_an_error():
+    cpu = torch.device("cpu")
+    gpu.check_path({"static_cache": True, "captured_step": True}, {"verify_forward": "static buffers"}, cpu)
+    with pytest.raises(RuntimeError, match="asked for the cuda graphs verify forward, ran 'transformers'"):
+        gpu.check_path({"captured_step": True}, {"verify_forward": "transformers",
+                                                 "verify_fallback": "capturing failed: X"}, torch.device("cuda"))
+    with pytest.raises(RuntimeError, match="asked for the compiled verify forward, ran 'lean'"):
+        gpu.check_path({"static_cache": True, "compile": True}, {"verify_forward": "lean"}, cpu)
+    gpu.check_path({}, {"verify_forward": "lean"}, cpu)  # nothing asked, anything goes
+
+
+def test_a_steps_bytes_leave_out_an_untied_input_embedding():
+    tied = build_random_target("tiny")
+    every = sum(p.numel() * p.element_size() for p in tied.parameters())
+    assert gpu.step_bytes(tied) == every  # the head reads the embedding
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    untied = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
+    every = sum(p.numel() * p.element_size() for p in untied.parameters())
+    assert gpu.step_bytes(untied) == every - 512 * 64 * 4

@@ -19,11 +19,13 @@ round, so a slow phase of the machine hits all of them alike):
     oracle:<a>+static  the middle alpha's chain on the static, compiled path; +captured on the captured step
     eagle3_tree60      a random EAGLE-3 drafter's whole step, tree of 60 nodes (its acceptance is nil: the row
                        gives a trained drafter's cost per step, not its speed); +captured on the captured step
-    verify_by_width    the verify forward alone on 1, 8, 32, 64 and 128 nodes (infer.tuning.timing.block_costs)
+    verify_by_width    the verify forward alone, on the path the engine runs it, by node count (VERIFY_WIDTHS: 1-128
+                       on a GPU, 1-32 on a CPU; infer.tuning.timing.block_costs)
 
 Each row reports tokens/s, ms per step (per target forward, the prefill included), tau (new tokens per target
 forward), a drafter's tokens per drafting step (the prefill and the last, cut-short step left out: what an
-oracle's `expected_tau` predicts), the memory floor of a step (every weight read once: parameter bytes /
+oracle's `expected_tau` predicts), what ran the verify forward (a row asking for a captured or compiled one that
+fell back is an error), the memory floor of a step (the weights a step reads, read once: `step_bytes` /
 bandwidth; --bandwidth-gbs, or the vendor's figure for a known GPU, BANDWIDTH_GB_S, or the measured read
 bandwidth on a CPU) and the share of a step the floor is. Random
 weights make near-ties whose argmax flips with a forward's shape, so outputs may differ from transformers' (the
@@ -48,7 +50,7 @@ BANDWIDTH_GB_S = {"H100": 3350.0, "H200": 4800.0}
 ORACLE_ALPHAS = (0.6, 0.8, 0.9)
 ORACLE_DEPTH = 8
 EAGLE2_TREE = {"depth": 6, "top_k": 8, "total_tokens": 60}  # EAGLE-2's default size
-VERIFY_WIDTHS = (1, 8, 32, 64, 128)
+VERIFY_WIDTHS = {"cuda": (1, 8, 32, 64, 128), "cpu": (1, 2, 4, 8, 16, 32)}  # nodes a verify forward is timed at
 SETTLE_RUNS = 3
 STATIC_PATHS = {"+static": "static cache, compiled verify (uncompiled with --no-compile)",
                 "+captured": "static cache, captured step (CUDA graphs on a GPU; uncaptured on a CPU)"}  # untimed oracle runs that move its answer to what the target emits with it
@@ -137,8 +139,21 @@ def engine_row(target, ids, name: str, what: str, settings: Settings, drafter, a
             if stats["followed"] == 0:
                 break
             answer = new  # what the target emitted with this oracle's trees: the next run drafts it
-        return run, run()[0]  # the warm-up: allocations, kernel selection, compilation
+        new, stats = run()  # the warm-up: allocations, kernel selection, compilation
+        check_path(options, stats, target.device)
+        return run, new
     return Row(name, what, setup)
+
+
+def check_path(options: dict, stats: dict, device: torch.device) -> None:
+    """Refuse a row whose warm-up did not run the verify path it asked for: a capture or compile that fell back to
+    eager would be timed under the wrong label."""
+    wanted = ({"cuda graphs"} if device.type == "cuda" else {"static buffers"}) if options.get("captured_step") \
+        else {"compiled"} if options.get("compile") and options.get("static_cache") else None
+    ran = stats.get("verify_forward")
+    if wanted is not None and ran not in wanted:
+        raise RuntimeError(f"asked for the {' or '.join(sorted(wanted))} verify forward, ran {ran!r}"
+                           + (f" ({stats['verify_fallback']})" if "verify_fallback" in stats else ""))
 
 
 def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
@@ -152,11 +167,12 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
             hf_row(target, ids, "hf_static", "transformers generate, static cache"
                    + (", compiled" if compiled else ", not compiled"), settings, **static),
             engine_row(target, ids, "none", "SelfSpecModel(target, 'none')", settings, lambda: "none", answers),
+            # the captured rows before the compiled ones: compiling every bucket can use up the budget
+            engine_row(target, ids, "none_captured", f"SelfSpecModel(target, 'none'), {STATIC_PATHS['+captured']}",
+                       settings, lambda: "none", answers, static_cache=True, captured_step=True),
             engine_row(target, ids, "none_static", "SelfSpecModel(target, 'none'), static cache"
                        + (", compiled verify" if settings.compile else ""), settings, lambda: "none", answers,
-                       static_cache=True, compile=settings.compile),
-            engine_row(target, ids, "none_captured", f"SelfSpecModel(target, 'none'), {STATIC_PATHS['+captured']}",
-                       settings, lambda: "none", answers, static_cache=True, captured_step=True)]
+                       static_cache=True, compile=settings.compile)]
     for alpha in settings.alphas:
         rows.append(engine_row(target, ids, f"oracle:{alpha:g}", f"OracleDrafter({alpha:g}), chain of "
                                f"{settings.depth}", settings,
@@ -171,7 +187,7 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
         rows[-1].extra["expected_tau"] = expected_tokens_per_step(alpha, tree["depth"], tree["top_k"],
                                                                   tree["total_tokens"])
     middle = settings.alphas[len(settings.alphas) // 2]
-    for suffix, options in (("+static", {"compile": settings.compile}), ("+captured", {"captured_step": True})):
+    for suffix, options in (("+captured", {"captured_step": True}), ("+static", {"compile": settings.compile})):
         rows.append(engine_row(target, ids, f"oracle:{middle:g}{suffix}", f"OracleDrafter({middle:g}), chain of "
                                f"{settings.depth}, {STATIC_PATHS[suffix]}", settings,
                                lambda: OracleDrafter(middle, settings.depth, follow=True), answers,
@@ -218,6 +234,7 @@ def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers
             record = records[name]
             record.setdefault("seconds_all", []).append(time.perf_counter() - tic)
             record.update(new_tokens=len(new), target_forwards=stats["target_forwards"],
+                          verify_forward=stats.get("verify_forward", "transformers generate"),
                           first_difference_vs_hf=first_difference(new, answers["hf_eager"]))
             if "followed" in stats:
                 record["followed"] = stats["followed"]
@@ -255,17 +272,32 @@ def summarize(result: dict) -> None:
 
 
 def verify_by_width(target, context: int, repeats: int) -> dict:
-    """ms of the verify forward (mask, forward, cache writes) on a chain of n new nodes after `context` tokens."""
+    """ms of the verify forward (mask, forward, cache writes) on a chain of n new nodes after `context` tokens, on
+    the path `SelfSpecModel(target, "none")` verifies with (`path`: the lean forward, prepacked or streamed linears
+    on a CPU); widths by device (VERIFY_WIDTHS)."""
+    from infer import SelfSpecModel
     from infer.tuning.timing import block_costs
 
-    costs = block_costs(target, target, context, list(VERIFY_WIDTHS), repeats)
-    return {str(n): 1000 * s for n, s in costs.items()}
+    engine = SelfSpecModel(target, "none")
+    with engine.verify_path() as (forward, path):
+        costs = block_costs(target, forward, context, list(VERIFY_WIDTHS[target.device.type]), repeats)
+    return {"path": path, **{str(n): 1000 * s for n, s in costs.items()}}
+
+
+def step_bytes(target) -> int:
+    """Bytes of weights one decoding step reads: every parameter, less an input embedding the LM head does not
+    share (a step looks up one row of it)."""
+    total = sum(p.numel() * p.element_size() for p in target.parameters())
+    embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings()
+    if head is None or head.weight is not embedding:
+        total -= embedding.numel() * embedding.element_size()
+    return total
 
 
 def to_markdown(result: dict) -> str:
     floor = result["memory_floor_ms"]
-    lines = [f"{result['shape']} ({result['parameters'] / 1e9:.2f} B parameters, {result['weight_gb']:.2f} GB in "
-             f"{result['dtype']}) on {result['environment']['device_name']}; memory floor of a step "
+    lines = [f"{result['shape']} ({result['parameters'] / 1e9:.2f} B parameters, {result['step_weight_gb']:.2f} GB "
+             f"read a step in {result['dtype']}) on {result['environment']['device_name']}; memory floor of a step "
              + (f"{floor:.2f} ms ({result['bandwidth_source']}, {result['bandwidth_gb_s']:g} GB/s)" if floor else
                 f"unknown ({result['bandwidth_source']})"), "",
              "| row | tokens/s | ms/step | tau | tokens per drafting step | expected | vs hf_eager | vs hf_static | "
@@ -281,7 +313,8 @@ def to_markdown(result: dict) -> str:
                      + " | ".join(cells) + " |")
     widths = result.get("verify_ms_by_width")
     if isinstance(widths, dict) and "error" not in widths and "skipped" not in widths:
-        lines += ["", "verify forward by width (nodes: ms): " + ", ".join(f"{n}: {ms:.2f}" for n, ms in widths.items())]
+        lines += ["", f"verify forward by width ({widths.get('path', 'transformers')}; nodes: ms): "
+                  + ", ".join(f"{n}: {ms:.2f}" for n, ms in widths.items() if n != "path")]
     return "\n".join(lines) + "\n"
 
 
@@ -314,7 +347,7 @@ def run_random_target(args, argv=None) -> int:
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     target = build_random_target(args.random_target, device, dtype, seed=args.seed)  # refuses what cannot fit
     parameters = sum(p.numel() for p in target.parameters())
-    weight_bytes = parameters * target.dtype.itemsize
+    weight_bytes = step_bytes(target)
     gbs, source = bandwidth(device, args.bandwidth_gbs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -322,7 +355,7 @@ def run_random_target(args, argv=None) -> int:
               "shape": args.random_target, "config": {k: v for k, v in shape_config(args.random_target).to_dict().items()
                                                       if k in ("model_type", "hidden_size", "num_hidden_layers",
                                                                "vocab_size", "tie_word_embeddings")},
-              "dtype": args.dtype, "parameters": parameters, "weight_gb": weight_bytes / 1e9,
+              "dtype": args.dtype, "parameters": parameters, "step_weight_gb": weight_bytes / 1e9,
               "bandwidth_gb_s": gbs, "bandwidth_source": source,
               "memory_floor_ms": 1000 * weight_bytes / (gbs * 1e9) if gbs else None,
               "build_seconds": time.perf_counter() - started,
