@@ -136,13 +136,16 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
 
     Only the paper layout exports (`input_mode="widen"`, a Llama-layout layer without extra parameters such
     as Qwen3's q/k norms): every `layer_style="llama"` drafter, whatever the target. The embedding is not
-    written: vLLM and speculators then use the verifier's.
+    written: vLLM and speculators then use the verifier's. vLLM captures each target layer once, in ascending
+    order, and its fc reads three: the feature layers are written ascending with fc's column blocks (and
+    `norm_before_fc`'s norm) permuted to match, and another count or a repeated layer is refused.
     """
     _check_kind(model, Eagle3Model, "export_speculators (speculators EAGLE-3)")
     c = model.config
     _check_llama_layers(model, "speculators EAGLE-3")
     if c.fc_bias:
         raise ValueError("speculators EAGLE-3 has no fc bias; this drafter was built with fc_bias=True")
+    order = _served_order(c.feature_layers, "vLLM's EAGLE-3 (speculators format)")
     layer_sd = model.layers[0].state_dict()
     biases = [k for k in ATTENTION_BIASES if k in layer_sd]
     tensors = {}
@@ -153,13 +156,34 @@ def export_speculators(model: Eagle3Model, out_dir) -> str:
                 if f"layers.{i}.{k}" not in tensors:
                     out_features = tensors[f"layers.{i}.{k.replace('.bias', '.weight')}"].shape[0]
                     tensors[f"layers.{i}.{k}"] = torch.zeros(out_features, dtype=layer_sd[biases[0]].dtype)
+    d = c.target_hidden_size
     tensors.update({
-        "layers.0.hidden_norm.weight": model.hidden_norm.weight,
-        "fc.weight": model.fc.weight, "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight,
-        "d2t": model.d2t, "t2d": model.t2d,
+        "layers.0.hidden_norm.weight": model.hidden_norm.weight, "fc.weight": _blocks(model.fc.weight, order, d),
+        "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight, "d2t": model.d2t, "t2d": model.t2d,
     })
+    if c.norm_before_fc:
+        tensors["input_norm.weight"] = _blocks(model.input_norm.weight, order, d)
     _write_folder(out_dir, _speculators_config(model, attention_bias=bool(biases)), tensors)
     return os.fspath(out_dir)
+
+
+def _served_order(layers, server: str) -> list[int]:
+    """The order that puts `layers` ascending, as vLLM and SGLang capture and concatenate them; refused where their
+    EAGLE-3 cannot serve them: not three layers (their fc reads 3 x hidden), or a layer twice (each captured once)."""
+    layers = list(layers)
+    if len(layers) != 3:
+        raise ValueError(f"{server}'s fc reads exactly 3 target layers (3 x target_hidden_size inputs); this drafter "
+                         f"reads {len(layers)}: {layers}; train with three feature_layers to serve it there")
+    if len(set(layers)) != len(layers):
+        raise ValueError(f"feature layers {layers} cannot be served by {server}: it captures each target layer once "
+                         "(repeated layers); train with three distinct feature_layers")
+    return sorted(range(len(layers)), key=lambda j: layers[j])
+
+
+def _blocks(weight: torch.Tensor, order: list[int], d: int) -> torch.Tensor:
+    """`weight`'s D-wide blocks along its last dimension (fc's columns, a norm over the concatenated features) in
+    `order`."""
+    return torch.cat([weight[..., j * d:(j + 1) * d] for j in order], dim=-1)
 
 
 def _check_llama_layers(model: Eagle3Model, fmt: str) -> None:
@@ -198,6 +222,9 @@ def _llama_layer_config(model: Eagle3Model, attention_bias: bool) -> dict:
 def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
     c = model.config
     layer_config = _llama_layer_config(model, attention_bias)
+    if c.layer_windows:  # speculators' and vLLM's reading of a layer's sliding window
+        layer_config.update(layer_types=["full_attention" if w is None else "sliding_attention" for w in c.layer_windows],
+                            sliding_window=next(w for w in c.layer_windows if w is not None), use_sliding_window=True)
     depth = c.tree["depth"] if c.tree["mode"] == "dynamic" else max(len(p) for p in c.tree["paths"])
     verifier_arch = arch_classes(c.target_model_type).causal_lm.__name__ if c.target_model_type else None
     return {
@@ -207,8 +234,9 @@ def _speculators_config(model: Eagle3Model, attention_bias: bool) -> dict:
         "transformer_layer_config": layer_config,
         "draft_vocab_size": c.draft_vocab_size,
         "norm_before_residual": c.norm_before_residual,  # always explicit: vLLM's default when absent is True
+        "norm_before_fc": c.norm_before_fc, "fc_norm": False, "norm_output": c.norm_output,
         "target_hidden_size": c.target_hidden_size,
-        "eagle_aux_hidden_state_layer_ids": list(c.feature_layers),
+        "eagle_aux_hidden_state_layer_ids": sorted(c.feature_layers),
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": depth,
@@ -231,11 +259,14 @@ def _selfspec_block(c, **extra) -> dict:
 # transformer_layer_config's
 SPECULATORS_CONFIG = {"transformer_layer_config": "table", "draft_vocab_size": "size", "target_hidden_size": "size?",
                       "eagle_aux_hidden_state_layer_ids": "ids?", "norm_before_residual": "flag?",
+                      "norm_before_fc": "flag?", "fc_norm": "flag?", "norm_output": "flag?",
                       "speculators_config": "table?"}
 SPECULATORS_LAYER_CONFIG = {"hidden_size": "size", "vocab_size": "size", "intermediate_size": "size",
                             "num_attention_heads": "size", "num_key_value_heads": "size?", "head_dim": "size?",
                             "num_hidden_layers": "size?", "rms_norm_eps": "number?", "rope_theta": "number?",
-                            "max_position_embeddings": "size?", "hidden_act": "name?", "model_type": "name?"}
+                            "max_position_embeddings": "size?", "hidden_act": "name?", "model_type": "name?",
+                            "sliding_window": "size?"}
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 def check_speculators(what: str, config: dict, path_or_id, **hub_kwargs) -> None:
@@ -266,38 +297,73 @@ def import_speculators(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
 
 
 def speculators_drafter(what: str, path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
-    """`import_speculators` once the checkpoint is checked (`check_speculators`)."""
+    """`import_speculators` once the checkpoint is checked (`check_speculators`). Its feature layers are read
+    ascending with fc as it is: vLLM captures and concatenates them in that order, whatever order the config
+    lists."""
     from .formats.common import fields_for_target, named, selfspec_fields
 
-    layer_config = dict(config["transformer_layer_config"])
-    layer_config.pop("architectures", None)
-    num_layers = layer_config.get("num_hidden_layers") or 1
-    layer_config["num_hidden_layers"] = 1  # ours describes one layer; the drafter's count is num_layers
-    if layer_config.get("model_type", "llama") != "llama":
-        raise ValueError(f"only Llama-style transformer_layer_config imports, got {layer_config['model_type']!r}")
-    if "rope_scaling" in layer_config and layer_config["rope_scaling"]:
-        layer_config["rope_parameters"] = {**layer_config.pop("rope_scaling"),
-                                           "rope_theta": layer_config.pop("rope_theta", 10000.0)}
+    if config.get("fc_norm"):
+        raise ValueError(f"{what} sets fc_norm: true (an RMSNorm per feature layer before fc), which selfspec's "
+                         "EAGLE-3 drafter does not compute (norm_before_fc, one norm over all of them, it does)")
+    layer_config, num_layers, windows = _speculators_layers(what, config)
     recorded = {"target_hidden_size": config.get("target_hidden_size") or layer_config["hidden_size"],
                 "target_vocab_size": layer_config["vocab_size"],
                 "base_model_name_or_path": (config.get("speculators_config") or {}).get("verifier", {}).get("name_or_path")}
     recorded.update({k: v for k, v in selfspec_fields(what, config).items() if v is not None})
     attn = recorded.pop("attn_implementation", None) or "sdpa"
     fields = fields_for_target(what, recorded, target)
-    if not config.get("eagle_aux_hidden_state_layer_ids") and fields.get("target_num_layers") is None:
+    ids = config.get("eagle_aux_hidden_state_layer_ids")
+    if not ids and fields.get("target_num_layers") is None:
         raise ValueError(f"{path_or_id} records no eagle_aux_hidden_state_layer_ids; pass target= so the "
                          "default feature layers can be derived from its layer count")
+    if ids and len(set(ids)) != len(ids):
+        raise ValueError(f"{what}: eagle_aux_hidden_state_layer_ids {ids} repeats a layer, which vLLM captures once "
+                         "and speculators refuses: the config was edited or damaged")
     fields.pop("layer_style", None)  # a speculators layer is a Llama layer, whatever the target
     with named(what):
         model = Eagle3Model(Eagle3Config(
             layer_config=layer_config, layer_style="llama", attn_implementation=attn, input_mode="widen",
-            feature_layers=config.get("eagle_aux_hidden_state_layer_ids"), draft_vocab_size=config["draft_vocab_size"],
+            feature_layers=sorted(ids) if ids else None, draft_vocab_size=config["draft_vocab_size"],
             norm_before_residual=config.get("norm_before_residual", True), fc_bias=False, num_layers=num_layers,
-            **fields))
+            norm_before_fc=bool(config.get("norm_before_fc")), norm_output=bool(config.get("norm_output")),
+            layer_windows=windows, **fields))
     tensors = _read_weights(path_or_id, **hub_kwargs)
     renamed = {("hidden_norm.weight" if k == "layers.0.hidden_norm.weight" else k): v for k, v in tensors.items()}
     renamed.pop("embed_tokens.weight", None)  # we use the target's own embedding
+    vocab, draft_vocab = layer_config["vocab_size"], config["draft_vocab_size"]
+    if "d2t" not in renamed and "t2d" not in renamed and draft_vocab == vocab:
+        # speculators writes no map for the whole vocabulary, and vLLM then drafts target ids as they are
+        renamed.update(d2t=torch.zeros(vocab, dtype=torch.long), t2d=torch.ones(vocab, dtype=torch.bool))
+    elif "d2t" not in renamed:
+        raise ValueError(f"{what}: a draft vocabulary of {draft_vocab} < {vocab} needs its d2t map, which "
+                         "model.safetensors lacks: the file is incomplete; re-download the checkpoint")
     return _load_strict(model, renamed, what)
+
+
+def _speculators_layers(what: str, config: dict) -> tuple[dict, int, list | None]:
+    """A speculators config's `transformer_layer_config` as ours (one Llama layer's config), the drafter's layer
+    count, and each layer's sliding window (None: every layer attends to the whole context)."""
+    layer_config = dict(config["transformer_layer_config"])
+    layer_config.pop("architectures", None)
+    num_layers = layer_config.get("num_hidden_layers") or 1
+    layer_config["num_hidden_layers"] = 1  # ours describes one layer; the drafter's count is num_layers
+    if layer_config.get("model_type", "llama") != "llama":
+        raise ValueError(f"{what}: only Llama-style transformer_layer_config imports, got "
+                         f"{layer_config['model_type']!r}")
+    if "rope_scaling" in layer_config and layer_config["rope_scaling"]:
+        layer_config["rope_parameters"] = {**layer_config.pop("rope_scaling"),
+                                           "rope_theta": layer_config.pop("rope_theta", 10000.0)}
+    types = layer_config.pop("layer_types", None)
+    window = layer_config.pop("sliding_window", None)
+    layer_config.pop("use_sliding_window", None)  # speculators and vLLM read layer_types, not this
+    if types is None:
+        return layer_config, num_layers, None
+    if not isinstance(types, list) or len(types) != num_layers or any(t not in LAYER_TYPES for t in types):
+        raise ValueError(f"{what}: transformer_layer_config's layer_types must list one of {list(LAYER_TYPES)} for "
+                         f"each of its {num_layers} layers, got {types!r:.80}: the config was edited or damaged")
+    # speculators masks a sliding layer only when it has a window
+    windows = [window if t == "sliding_attention" else None for t in types]
+    return layer_config, num_layers, windows if any(windows) else None
 
 
 # ---- vLLM Medusa --------------------------------------------------------------------------------------------
@@ -476,6 +542,7 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
     if c.norm_before_residual:
         raise ValueError(f"{fmt} adds the un-normed hidden state to the attention output; this drafter was built with "
                          "norm_before_residual=True")
+    _check_sglang_options(c, fmt)
     n, layers = c.target_num_layers, list(c.feature_layers)
     if len(layers) != 3:
         raise ValueError(f"{fmt}'s fc reads exactly 3 target layers (3 x target_hidden_size inputs); this drafter "
@@ -493,12 +560,11 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
         "fc.weight": torch.cat([model.fc.weight[:, j * d:(j + 1) * d] for j in order], dim=1),
         "norm.weight": model.norm.weight, "lm_head.weight": model.lm_head.weight, "d2t": model.d2t, "t2d": model.t2d,
     })
-    if model.fc.bias is not None:
-        tensors["fc.bias"] = model.fc.bias
     config = _llama_layer_config(model, attention_bias=False)
     config.update({
         "architectures": [SGLANG_ARCHITECTURE], "num_hidden_layers": 1, "draft_vocab_size": c.draft_vocab_size,
-        "target_hidden_size": d, "bias": c.fc_bias, "target_model_type": c.target_model_type,
+        "target_hidden_size": d, "target_model_type": c.target_model_type,
+        "bias": False,  # SGLang's fc and its attention's o_proj both read it (_check_sglang_options)
         # SGLang's ids are one less than the layer it captures the input of: our hidden_states index - 1
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in sorted(layers)],
                          "use_aux_hidden_state": True},
@@ -506,6 +572,24 @@ def export_sglang(model: Eagle3Model, out_dir) -> str:
     })
     _write_folder(out_dir, config, tensors)
     return os.fspath(out_dir)
+
+
+def _check_sglang_options(c: Eagle3Config, fmt: str) -> None:
+    """Refuse, saying why, what SGLang's LlamaForCausalLMEagle3 does not compute: an fc bias (its fc reads the
+    config's `bias`, which its Llama attention also reads as `attention_bias`, so o_proj would get a bias the export
+    has no weights for; SpecForge's fc has none), and speculators' options (SGLang has no input_norm, feeds the
+    un-normed state back and attends to the whole context)."""
+    if c.fc_bias:
+        raise ValueError(f"{fmt} reads an fc bias from config.json's `bias`, which its Llama attention also reads as "
+                         "attention_bias (o_proj would get a bias no checkpoint holds), and SpecForge's fc has none; "
+                         "this drafter was built with fc_bias=True: export to speculators (vLLM) or train with "
+                         "fc_bias=False")
+    options = [name for name, on in (("norm_before_fc=True", c.norm_before_fc), ("norm_output=True", c.norm_output),
+                                     (f"layer_windows={c.layer_windows}", c.layer_windows)) if on]
+    if options:
+        raise ValueError(f"{fmt} computes none of speculators' options this drafter has ({', '.join(options)}: SGLang "
+                         "has no input norm before fc, feeds the un-normed hidden state back and attends to the whole "
+                         "context); export it to speculators (vLLM)")
 
 
 # ---- the formats, registered with their kinds in heads/__init__.py ------------------------------------------

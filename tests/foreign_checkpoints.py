@@ -115,23 +115,29 @@ def write_specforge(folder, target, draft_vocab: int = 48, seed: int = 1, aux_la
 
 
 def write_speculators(folder, target, draft_vocab: int = 48, seed: int = 2, verifier: str | None = None,
-                      embedding: torch.Tensor | None = None) -> dict:
+                      embedding: torch.Tensor | None = None, aux_layer_ids=(2, 4, 6), norm_before_fc: bool = False,
+                      norm_output: bool = False, window: int | None = None) -> dict:
     """speculators' Eagle3Speculator as its `save_pretrained` writes it: the pydantic config (speculators_model_type,
     transformer_layer_config as a diff dict, speculators_config with the verifier) and `model.safetensors` with
     `layers.0.*` (hidden_norm inside the first layer) and the embedding (not among its keys ignored on save).
-    norm_before_residual is true here, the residual being the normed hidden state."""
+    norm_before_residual is true here, the residual being the normed hidden state. With `norm_before_fc` the file
+    holds `input_norm.weight` over the 3D concatenated features; `window` makes the layer a sliding-window one
+    (`layer_types`, `sliding_window`), as speculators 0.9.0's training does by default; a draft vocabulary of the
+    whole vocabulary writes no d2t/t2d (`speculators/model.py`'s DraftVocabMixin saves none then)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     c = target.config
+    sliding = {} if window is None else {"layer_types": ["sliding_attention"], "sliding_window": window,
+                                         "use_sliding_window": True}
     layer = LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
                         num_attention_heads=c.num_attention_heads, num_key_value_heads=c.num_key_value_heads,
                         num_hidden_layers=1, vocab_size=c.vocab_size, max_position_embeddings=2048, rms_norm_eps=1e-5,
-                        rope_theta=20000.0).to_diff_dict()
+                        rope_theta=20000.0, **sliding).to_diff_dict()
     config = {
         "architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3", "speculators_version": "0.3.0",
         "transformer_layer_config": layer, "draft_vocab_size": draft_vocab, "norm_before_residual": True,
-        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": [2, 4, 6], "norm_before_fc": False,
-        "fc_norm": False, "norm_output": False, "embed_requires_grad": False,
+        "target_hidden_size": None, "eagle_aux_hidden_state_layer_ids": list(aux_layer_ids),
+        "norm_before_fc": norm_before_fc, "fc_norm": False, "norm_output": norm_output, "embed_requires_grad": False,
         "speculators_config": {
             "algorithm": "eagle3", "default_proposal_method": "greedy",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3, "verifier_accept_k": 1,
@@ -140,12 +146,27 @@ def write_speculators(folder, target, draft_vocab: int = 48, seed: int = 2, veri
     }
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     weights = llama_eagle3_weights(target, draft_vocab, "layers.0.", seed, c.hidden_size // c.num_attention_heads)
+    if norm_before_fc:
+        weights["input_norm.weight"] = _norm(torch.Generator().manual_seed(seed + 100), 3 * c.hidden_size)
+    if draft_vocab == c.vocab_size:
+        del weights["d2t"], weights["t2d"]
     weights["embed_tokens.weight"] = (embedding if embedding is not None
                                       else target.get_input_embeddings().weight.detach()).clone()
     save_file({k: v.contiguous() for k, v in weights.items()}, folder / "model.safetensors",
               metadata={"format": "pt"})
-    return {"config": config, "weights": weights, "layers": [2, 4, 6], "rope_theta": 20000.0, "eps": 1e-5,
-            "prefix": "layers.0.", "hidden_norm": "layers.0.hidden_norm.weight", "norm_before_residual": True}
+    return {"config": config, "weights": weights, "layers": list(aux_layer_ids), "rope_theta": 20000.0, "eps": 1e-5,
+            "prefix": "layers.0.", "hidden_norm": "layers.0.hidden_norm.weight", "norm_before_residual": True,
+            "norm_before_fc": norm_before_fc, "norm_output": norm_output, "window": window}
+
+
+def write_speculators_defaults(folder, target, **changes) -> dict:
+    """What speculators 0.9.0's `speculators train` writes with its defaults for EAGLE-3 (`train/config/schema.py`:
+    norm_before_fc, norm_output and norm_before_residual on, every draft layer a sliding-window one, the layers
+    listed as given), at reduced size: the window is 4 positions so that it cuts into the tests' prompts, the layers
+    are listed out of order, and the draft vocabulary is the whole one (no d2t/t2d)."""
+    options = {"norm_before_fc": True, "norm_output": True, "window": 4, "aux_layer_ids": (6, 2, 4),
+               "draft_vocab": target.config.vocab_size, **changes}
+    return write_speculators(folder, target, **options)
 
 
 class _MedusaConfig(PretrainedConfig):

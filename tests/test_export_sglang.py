@@ -72,6 +72,10 @@ def sglang_params(config: dict) -> dict[str, tuple[int, ...]]:
     }
     if config.get("bias"):
         params["model.fc.bias"] = (d,)
+    # its Llama attention reads `bias` too (models/llama.py: attention_bias = config.attention_bias or config.bias,
+    # bias_o_proj = attention_bias); llama_eagle3.py rebuilds qkv_proj without a bias but keeps o_proj's
+    if config.get("bias") or config.get("attention_bias"):
+        params["model.midlayer.self_attn.o_proj.bias"] = (d,)
     return params
 
 
@@ -254,6 +258,10 @@ def test_reimport_of_layers_given_out_of_order_drafts_the_same(tmp_path):
     ("llama", {"feature_layers": [0, 1, 2]}, r"outside that range: \[0\]"),
     ("llama", {"feature_layers": [1, 2, 4]}, r"outside that range: \[4\]"),
     ("llama", {"feature_layers": [1, 2, 2]}, "repeated layers"),
+    ("llama", {"fc_bias": True}, r"also reads as attention_bias .* fc_bias=True"),
+    ("llama", {"norm_before_fc": True}, r"speculators' options .*norm_before_fc=True"),
+    ("llama", {"norm_output": True}, r"speculators' options .*norm_output=True"),
+    ("llama", {"layer_windows": [4]}, r"speculators' options .*layer_windows=\[4\]"),
 ])
 def test_what_sglang_computes_differently_is_refused(arch, options, message, tmp_path):
     options = {"feature_layers": FEATURES, **options}

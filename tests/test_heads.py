@@ -469,7 +469,7 @@ def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
     """vLLM's EAGLE-3 model reads `num_hidden_layers` layers, the first over [embedding, feature] (2D inputs),
     the rest plain layers over the hidden state: the reimport drafts the same."""
     target = target_for("llama")
-    drafter = perturb(heads.build("eagle3", target, num_layers=2))
+    drafter = perturb(heads.build("eagle3", target, num_layers=2, feature_layers=[1, 2, 3]))
     drafter.config.lookup_first = True  # what calibration measured travels in the selfspec block
     export_speculators(drafter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
@@ -490,13 +490,14 @@ def test_two_layer_eagle3_exports_to_speculators_and_back(tmp_path):
 @pytest.mark.parametrize("arch", SPECULATORS_ARCHS)
 def test_speculators_export_keys_shapes_and_reimport(arch, tmp_path):
     target = target_for(arch)
-    drafter = perturb(heads.build("eagle3", target, layer_style="target"))  # Qwen2's own layer: q/k/v biases
+    # Qwen2's own layer: q/k/v biases; layers out of order, which vLLM captures ascending
+    drafter = perturb(heads.build("eagle3", target, layer_style="target", feature_layers=[3, 1, 2]))
     export_speculators(drafter, tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["speculators_model_type"] == "eagle3"
     assert config["architectures"] == ["Eagle3Speculator"]
     assert config["draft_vocab_size"] == 96 and config["norm_before_residual"] is False
-    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 2, 1]
+    assert config["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]
     layer = config["transformer_layer_config"]
     assert layer["model_type"] == "llama" and layer["num_hidden_layers"] == 1 and layer["vocab_size"] == 96
     spec = config["speculators_config"]

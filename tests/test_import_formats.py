@@ -20,6 +20,7 @@ from foreign_checkpoints import (
     write_medusa_fd,
     write_specforge,
     write_speculators,
+    write_speculators_defaults,
 )
 from safetensors.torch import save_file
 
@@ -74,34 +75,62 @@ def target_pass(t, ids):
     return out, out.logits[0, -1].argmax()
 
 
-def eagle3_reference(t, ids, ckpt, k: int):
-    """EAGLE-3's first draft step: the target features at the chosen layers through fc; the layer over
-    [input_layernorm(embedding of token t+1), hidden_norm(feature t)] (residual: the feature, or its norm with
-    norm_before_residual), causal attention with RoPE; logits = lm_head(norm(h)) at the last position, its top-k
-    mapped to target ids by d2t. Returns (top-k target ids, draft logits)."""
+def eagle3_layer(t, ckpt, tokens, hidden):
+    """EAGLE-3's layer over every position at once (positions 0..T-1, causal): [input_layernorm(embedding of
+    tokens[i]), hidden_norm(hidden[i])] into attention with RoPE (residual: hidden, or its norm with
+    norm_before_residual; keys fewer than `window` positions back, for a sliding-window layer), then the MLP.
+    Returns (output hidden [T, D], logits over the draft vocabulary [T, Vd] = lm_head(norm(output)))."""
     w = {key: v.float() for key, v in ckpt["weights"].items()}
     p, eps, cfg = ckpt["prefix"], ckpt["eps"], t.config
-    out, root = target_pass(t, ids)
-    feats = torch.cat([out.hidden_states[i][0] for i in ckpt["layers"]], dim=-1)
-    tokens = torch.cat([ids[0, 1:], root[None]])
     with torch.no_grad():
         emb = t.get_input_embeddings()(tokens)
-    h = feats @ w["fc.weight"].T
-    normed = rms(h, w[ckpt["hidden_norm"]], eps)
+    normed = rms(hidden, w[ckpt["hidden_norm"]], eps)
     x = torch.cat([rms(emb, w[p + "input_layernorm.weight"], eps), normed], dim=-1)
-    residual = normed if ckpt["norm_before_residual"] else h
+    residual = normed if ckpt["norm_before_residual"] else hidden
     n, hd = len(tokens), cfg.hidden_size // cfg.num_attention_heads
     pos = torch.arange(n)
     q = (x @ w[p + "self_attn.q_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
     kk = (x @ w[p + "self_attn.k_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
     v = (x @ w[p + "self_attn.v_proj.weight"].T).view(n, -1, hd).transpose(0, 1)
-    a = attend(rotate(q, pos, ckpt["rope_theta"]), rotate(kk, pos, ckpt["rope_theta"]), v,
-               torch.ones(n, n, dtype=torch.bool).tril())
+    allowed = torch.ones(n, n, dtype=torch.bool).tril()
+    if ckpt.get("window"):
+        allowed &= pos[:, None] - pos[None, :] < ckpt["window"]
+    a = attend(rotate(q, pos, ckpt["rope_theta"]), rotate(kk, pos, ckpt["rope_theta"]), v, allowed)
     h = residual + a @ w[p + "self_attn.o_proj.weight"].T
     h = h + swiglu(rms(h, w[p + "post_attention_layernorm.weight"], eps), w, p)
-    logits = rms(h[-1], w["norm.weight"], eps) @ w["lm_head.weight"].T
+    return h, rms(h, w["norm.weight"], eps) @ w["lm_head.weight"].T
+
+
+def eagle3_chain(t, ids, ckpt, steps: int):
+    """EAGLE-3 drafting a greedy chain of `steps` tokens after the prompt: the target features at the checkpoint's
+    layers in ascending order (as vLLM and SGLang capture and concatenate them; through input_norm with
+    norm_before_fc) through fc, then the layer; each draft (mapped to a target id by d2t) goes in at the next
+    position with the last output hidden state (its final norm with norm_output), everything recomputed.
+    Returns (the drafted target ids, the step-0 draft logits at the last prompt position)."""
+    w = {key: v.float() for key, v in ckpt["weights"].items()}
+    out, root = target_pass(t, ids)
+    feats = torch.cat([out.hidden_states[i][0] for i in sorted(ckpt["layers"])], dim=-1)
+    if ckpt.get("norm_before_fc"):
+        feats = rms(feats, w["input_norm.weight"], ckpt["eps"])
+    hidden, tokens = feats @ w["fc.weight"].T, torch.cat([ids[0, 1:], root[None]])
+    d2t = ckpt["weights"].get("d2t", torch.zeros(w["lm_head.weight"].shape[0], dtype=torch.long))
+    chain, first = [], None
+    for _ in range(steps):
+        h, logits = eagle3_layer(t, ckpt, tokens, hidden)
+        first = logits[-1] if first is None else first
+        draft = int(logits[-1].argmax())
+        chain.append(draft + int(d2t[draft]))
+        fed = rms(h[-1], w["norm.weight"], ckpt["eps"]) if ckpt.get("norm_output") else h[-1]
+        tokens, hidden = torch.cat([tokens, torch.tensor([chain[-1]])]), torch.cat([hidden, fed[None]])
+    return chain, first
+
+
+def eagle3_reference(t, ids, ckpt, k: int):
+    """EAGLE-3's first draft step (`eagle3_chain`'s): its top-k mapped to target ids by d2t, and the draft logits."""
+    _, logits = eagle3_chain(t, ids, ckpt, steps=1)
     top = logits.topk(k).indices
-    return top + ckpt["weights"]["d2t"][top], logits
+    d2t = ckpt["weights"].get("d2t", torch.zeros(logits.shape[0], dtype=torch.long))
+    return top + d2t[top], logits
 
 
 def medusa_reference(t, ids, ckpt, k: int):
@@ -318,6 +347,113 @@ def test_speculators_checkpoint_without_target_loads_from_its_config(tmp_path):
     assert list(model.feature_layers) == [2, 4, 6] and model.config.target_num_layers is None
 
 
+# ---- speculators' current defaults, the whole vocabulary, feature layers as vLLM serves them (issue 56) ----------
+
+
+def drafted_chain(model, t, ids, steps: int) -> list[int]:
+    """The greedy chain our drafter drafts below the root (top-1 at each depth)."""
+    _, tree = first_tree(model, t, ids, top_k=1, depth=steps, total_tokens=steps)
+    return [int(tok) for tok in tree.tokens[0, 1:steps + 1]]
+
+
+def test_speculators_current_defaults_draft_what_speculators_computes(tmp_path):
+    """speculators 0.9.0 trains EAGLE-3 with norm_before_fc, norm_output and sliding-window layers, and lists the
+    layers as given: each is read as its Eagle3DraftModel computes it (the chain fed back with the normed state,
+    the window cutting the prompt), generation stays exact, and the export writes the flags back."""
+    from heads.eagle3.objective import Eagle3Objective
+    from heads.export import export_speculators
+
+    t = target()
+    ckpt = write_speculators_defaults(tmp_path / "theirs", t, seed=6)
+    model = heads.load(tmp_path / "theirs", target=t)
+    c = model.config
+    assert (c.norm_before_fc, c.norm_output, c.layer_windows, list(c.feature_layers)) == (True, True, [4], [2, 4, 6])
+    chain, logits = eagle3_chain(t, PROMPT, ckpt, steps=3)
+    assert drafted_chain(model, t, PROMPT, 3) == chain
+    out, root = target_pass(t, PROMPT)
+    with torch.no_grad():
+        ours = model(torch.cat([PROMPT[:, 1:], root.view(1, 1)], dim=1),
+                     model.fuse_features(tuple(out.hidden_states[i] for i in model.feature_layers)), fused=True)[1]
+    torch.testing.assert_close(ours[0, -1], logits, atol=2e-4, rtol=2e-4)
+    # each option changes the chain at this seed, so the reference tells them apart
+    for off in ({"window": None}, {"norm_output": False}, {"norm_before_fc": False}):
+        assert eagle3_chain(t, PROMPT, {**ckpt, **off}, steps=3)[0] != chain, off
+    expected = t.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path / "theirs"), target=t)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24, eos_token_id=[]), expected)
+
+    export_speculators(model, tmp_path / "ours")
+    config = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert (config["norm_before_fc"], config["norm_output"], config["fc_norm"]) == (True, True, False)
+    layer = config["transformer_layer_config"]
+    assert (layer["layer_types"], layer["sliding_window"]) == (["sliding_attention"], 4)
+    again = heads.load(tmp_path / "ours", target=t)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, again.state_dict()[k])] == []
+    assert drafted_chain(again, t, PROMPT, 3) == chain
+    with pytest.raises(ValueError, match="sliding-window attention layers .* does not mask"):
+        Eagle3Objective(model, None)  # training masks attend to everything
+
+
+@pytest.mark.parametrize("fmt", ["speculators", "eagle_authors", "specforge"])
+def test_whole_draft_vocabulary_without_a_map(fmt, tmp_path):
+    """speculators writes no d2t/t2d when the draft vocabulary is the target's (vLLM then drafts target ids as they
+    are); the others write an identity map, or one their code ignores."""
+    t = target()
+    ckpt = WRITERS[fmt](tmp_path, t, draft_vocab=t.config.vocab_size)
+    if fmt == "speculators":
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "model.safetensors", "pt") as f:
+            assert "d2t" not in f.keys() and "t2d" not in f.keys()
+    model = heads.load(tmp_path, target=t)
+    assert int(model.d2t.abs().sum()) == 0 and bool(model.t2d.all())
+    assert drafted_chain(model, t, PROMPT, 3) == eagle3_chain(t, PROMPT, ckpt, steps=3)[0]
+
+
+def test_speculators_partial_vocabulary_without_its_map_is_refused(tmp_path):
+    t = target()
+    write_speculators(tmp_path, t)
+    from safetensors.torch import load_file
+
+    state = load_file(tmp_path / "model.safetensors")
+    del state["d2t"], state["t2d"]
+    save_file(state, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="draft vocabulary of 48 < 96 needs its d2t map, which model.safetensors lacks"):
+        heads.load(tmp_path, target=t)
+
+
+def test_speculators_export_writes_layers_as_vllm_captures_them(tmp_path):
+    """vLLM captures the listed layers once each and concatenates them ascending, and its fc reads three: the export
+    writes the layers ascending with fc's column blocks (and norm_before_fc's norm) permuted to match, drafts the
+    same after re-import, and refuses a count or repeat vLLM cannot serve."""
+    from heads.export import export_speculators
+
+    t = target()
+    drafter = heads.build("eagle3", t, feature_layers=[6, 2, 4], draft_vocab_size=48, norm_before_fc=True)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(7)) * 0.1)
+    drafter.attach(t)
+    export_speculators(drafter, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["eagle_aux_hidden_state_layer_ids"] == [2, 4, 6]
+    from safetensors.torch import load_file
+
+    written = load_file(tmp_path / "out" / "model.safetensors")
+    blocks = dict(zip([6, 2, 4], drafter.fc.weight.split(32, dim=1), strict=True))
+    assert torch.equal(written["fc.weight"], torch.cat([blocks[i] for i in (2, 4, 6)], dim=1))
+    norms = dict(zip([6, 2, 4], drafter.input_norm.weight.split(32), strict=True))
+    assert torch.equal(written["input_norm.weight"], torch.cat([norms[i] for i in (2, 4, 6)]))
+    again = heads.load(tmp_path / "out", target=t)
+    assert list(again.feature_layers) == [2, 4, 6]
+    assert drafted_chain(again, t, PROMPT, 3) == drafted_chain(drafter, t, PROMPT, 3)
+    for layers, message in (([2, 4], "reads exactly 3 target layers"), ([2, 2, 4], "repeated layers"),
+                            ([1, 2, 4, 6], "reads exactly 3 target layers")):
+        with pytest.raises(ValueError, match=message):
+            export_speculators(heads.build("eagle3", t.config, feature_layers=layers), tmp_path / "refused")
+        assert not (tmp_path / "refused").exists()
+
+
 # ---- bad input: refused by name before any generation ------------------------------------------------------------
 
 
@@ -369,8 +505,14 @@ BAD = [
      r"model_type 'mystery', not a selfspec drafter .* nor a checkpoint in a format selfspec imports:(.|\n)*eagle_authors(.|\n)*specforge"
      r"(.|\n)*speculators(.|\n)*medusa_fd(.|\n)*dflash_zlab"),
     ("SpecForge fc_norm", lambda f, t: write_specforge(f, t, fc_norm=True), ValueError, r"fc_norm: true"),
-    ("speculators norm_before_fc", lambda f, t: _with_config(write_speculators, f, t, norm_before_fc=True),
-     ValueError, r"sets \['norm_before_fc'\]"),
+    ("speculators fc_norm", lambda f, t: _with_config(write_speculators, f, t, fc_norm=True),
+     ValueError, r"sets fc_norm: true \(an RMSNorm per feature layer before fc\)"),
+    ("speculators layer types of another kind", lambda f, t: _with_layer_config(
+        write_speculators, f, t, layer_types=["chunked_attention"]), ValueError,
+     r"layer_types must list one of \['full_attention', 'sliding_attention'\] for each of its 1 layers"),
+    ("speculators layers repeated", lambda f, t: _with_config(write_speculators, f, t,
+                                                              eagle_aux_hidden_state_layer_ids=[2, 2, 4]),
+     ValueError, r"eagle_aux_hidden_state_layer_ids \[2, 2, 4\] repeats a layer"),
     ("speculators DFlash algorithm", lambda f, t: _with_config(write_speculators, f, t,
                                                                speculators_model_type="dflash"),
      ValueError, r"speculators 'dflash' drafter; selfspec imports \['eagle3'\]"),
@@ -382,6 +524,13 @@ def _with_config(writer, folder, t, **changes):
     writer(folder, t)
     config = json.loads((folder / "config.json").read_text())
     config.update(changes)
+    (folder / "config.json").write_text(json.dumps(config))
+
+
+def _with_layer_config(writer, folder, t, **changes):
+    writer(folder, t)
+    config = json.loads((folder / "config.json").read_text())
+    config["transformer_layer_config"].update(changes)
     (folder / "config.json").write_text(json.dumps(config))
 
 

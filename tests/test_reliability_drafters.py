@@ -163,7 +163,8 @@ def saved(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("export")
     target = AutoModelForCausalLM.from_pretrained(save_tiny_target(root / "target"))
-    heads.build("eagle3", target).save_pretrained(root / "drafter")
+    # three distinct layers, as vLLM serves them (a 4-layer target's default repeats one)
+    heads.build("eagle3", target, feature_layers=[1, 2, 3]).save_pretrained(root / "drafter")
     return root
 
 

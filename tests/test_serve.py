@@ -76,7 +76,9 @@ def drafters(tmp_path_factory):
     root = tmp_path_factory.mktemp("serve")
     target = AutoModelForCausalLM.from_pretrained(save_tiny_target(root / "target"))
     out = {"root": root, "target": str(root / "target")}
-    for kind, options in (("eagle3", {}), ("eagle", {}), ("medusa", {"num_heads": 2, "share_lm_head": True})):
+    # EAGLE-3 reads three distinct layers, as vLLM serves them (a 4-layer target's default repeats one)
+    for kind, options in (("eagle3", {"feature_layers": [1, 2, 3]}), ("eagle", {}),
+                          ("medusa", {"num_heads": 2, "share_lm_head": True})):
         heads.build(kind, target, **options).save_pretrained(root / kind)
         out[kind] = str(root / kind)
     return out

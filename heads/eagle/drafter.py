@@ -1,7 +1,8 @@
 """Drafting with an EAGLE-style drafter (EAGLE-1/2 and EAGLE-3 share it).
 
-The drafter keeps its own KV cache (`infer.kv.KVState`, full attention). Slot t holds the drafter's pass
-over the pair (token x_{t+1}, feature f_t) at position t:
+The drafter keeps its own KV cache (`infer.kv.KVState`; full attention, or a sliding window in the EAGLE-3
+layers that have one: `mask_config()`). Slot t holds the drafter's pass over the pair (token x_{t+1}, feature f_t)
+at position t:
 
 - `observe` runs the pairs the target just committed (the prompt, or root + accepted drafts, each with the
   token that follows it) and commits them; the output at the last slot predicts the root's children.
@@ -115,7 +116,7 @@ class EagleDrafter(HeadDrafter):
     def bind(self, target, sampling, batch_size: int, generator=None) -> None:
         super().bind(target, sampling, batch_size, generator)
         device = target.get_input_embeddings().weight.device
-        self.kv = KVState(batch_size, device, config=None) if self._captured is None else \
+        self.kv = KVState(batch_size, device, config=self.model.mask_config()) if self._captured is None else \
             self._static_cache(batch_size, device)
         self.root = self.last_hidden = self.last_logits = None
         # what runs the model this call: made per call, so a hook or an adapted layer since the last one counts
@@ -131,7 +132,7 @@ class EagleDrafter(HeadDrafter):
         if kv is not None and (kv.batch_size, kv.length.device) == (batch_size, device):
             kv.reset()
         else:
-            kv = self._static_kv = KVState(batch_size, device, config=None, capacity=STATIC_STEP)
+            kv = self._static_kv = KVState(batch_size, device, config=self.model.mask_config(), capacity=STATIC_STEP)
         return kv
 
     def _make_room(self, width: int) -> None:

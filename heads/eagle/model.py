@@ -66,6 +66,11 @@ class EagleModel(DrafterModel):
                        position_embeddings=rotary_embeddings(self.rotary_emb, x, position_ids))
         return x, self.target_logits(x)
 
+    def mask_config(self):
+        """What `infer.kv.KVState` reads to build this drafter's masks: None, its layer attends to the whole
+        context (EAGLE-3 drafters may have sliding-window layers)."""
+        return None
+
     def as_drafter(self, **tree_overrides):
         from .drafter import EagleDrafter
 

@@ -26,6 +26,15 @@ class Eagle3Config(EagleConfig):
     input_mode: str = "auto"
     norm_before_residual: bool = False  # residual = hidden_norm(hidden) instead of hidden (speculators' flag)
     fc_bias: bool = False
+    # speculators' EAGLE-3 options, on by default in its training since 0.9: one RMSNorm over the concatenated
+    # target features before fc (its `input_norm`), and norm(h) fed back to the next draft step in place of h (the
+    # logits are the same either way)
+    norm_before_fc: bool = False
+    norm_output: bool = False
+    # Per decoder layer, its sliding attention window (a query sees the keys fewer than this many positions before
+    # it) or None for full attention; None = every layer full. speculators trains with windows by default
+    # (`transformer_layer_config.layer_types` and `sliding_window`).
+    layer_windows: list[int | None] | None = None
     # Decoder layers. The first reads [embedding, feature] as above; the others are the same class as it is,
     # on the first one's output (the EAGLE-3 paper and speculators' checkpoints use one).
     num_layers: int = 1
@@ -48,10 +57,23 @@ class Eagle3Config(EagleConfig):
                              f"got {self.draft_vocab_size}")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"EAGLE-3 num_layers must be an int >= 1, got {self.num_layers!r}")
+        self._check_windows()
         if self.input_mode not in (*INPUT_MODES, "auto"):
             raise ValueError(f"EAGLE-3 input_mode must be one of {INPUT_MODES} or 'auto', got {self.input_mode!r}")
         if self.layer_config is not None:
             self._resolve_input_mode()
+
+    def _check_windows(self) -> None:
+        windows = self.layer_windows
+        if windows is None:
+            return
+        if len(windows) != self.num_layers or any(w is not None and (isinstance(w, bool) or w < 1) for w in windows):
+            raise ValueError(f"EAGLE-3 layer_windows must give each of the {self.num_layers} layers a window >= 1 or "
+                             f"None (full attention), got {windows}")
+        if len({w for w in windows if w is not None}) > 1:  # the drafter's cache masks one window size
+            raise ValueError(f"EAGLE-3 layer_windows must share one window size, got {windows}")
+        if all(w is None for w in windows):
+            self.layer_windows = None
 
     def _resolve_input_mode(self) -> None:
         problem = widen_problem(meta_layer(self.layer_config, self.attn_implementation or "eager"))

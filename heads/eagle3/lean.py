@@ -31,6 +31,8 @@ def read(model) -> list:
     config = model.config
     if config.input_mode != "widen":
         raise Unsupported(f"input_mode {config.input_mode!r} (widen only)")
+    if config.layer_windows:
+        raise Unsupported("sliding-window attention layers (full attention only)")
     if config.layer_config.get("hidden_act") != "silu":
         raise Unsupported(f"activation {config.layer_config.get('hidden_act')!r} (SiLU only)")
     embed = model._require_target("the lean drafter forward")["embed"]
@@ -66,6 +68,7 @@ class LeanEagle3(LeanLayers):
         self.fc, self.lm_head = Linears.of(model.fc), Linears.of(model.lm_head)
         self.fc_int8 = None if kernel is None else self.fc.int8_rows(int8)
         self.hidden_norm, self.final_norm = norm_of(model.hidden_norm), norm_of(model.norm)
+        self.input_norm = norm_of(model.input_norm) if model.config.norm_before_fc else None
         self.head_rows = None if kernel is None else int8.derived(model.lm_head.weight, "int8 rows",
                                                                    linear.int8_rows)
 
@@ -80,6 +83,8 @@ class LeanEagle3(LeanLayers):
         h = hidden_states.to(self.dtype)
         if self.model._is_fused(h, fused):
             compact = self.fc_int8 is not None and h.shape[0] * h.shape[1] <= self.COMPACT_ROWS
+            if self.input_norm is not None:
+                h = self._norm(h, self.input_norm)
             h = self._linear(h, self.fc_int8 if compact else self.fc)
         rotary = self._rotary(self.model.rotary_emb, h, position_ids)
         normed = self._norm(h, self.hidden_norm)
@@ -89,7 +94,8 @@ class LeanEagle3(LeanLayers):
         h = residual
         for i, (layer, next_norm) in enumerate(zip(self.layers, norms, strict=True)):
             h, y = self._layer(h, y, layer, i, past_key_values, attention_mask, rotary, next_norm)
-        return h, self._head(y)
+        # y is the final norm of h: what speculators' norm_output feeds back
+        return (y if self.model.config.norm_output else h), self._head(y)
 
     def _head(self, y: torch.Tensor) -> torch.Tensor:
         """y [B, T, D] -> logits over the draft vocabulary [B, T, V']."""

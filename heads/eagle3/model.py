@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import types
 
 import torch
 from torch import nn
@@ -47,7 +48,11 @@ class Eagle3Model(DrafterModel):
       project: h = layer(proj([embed_norm(e), hidden_norm(h)]))     the layer as it is
     where e is the target's embedding of the token and every module is of the layer's class (`layer_style`:
     Llama's, which is always widen, or the target architecture's); with `num_layers` > 1 that layer as it is
-    follows, num_layers - 1 times.
+    follows, num_layers - 1 times. speculators' options: `norm_before_fc` reads fc(input_norm(features)) with one
+    RMSNorm over the whole concatenation; `norm_output` returns norm(h) as the hidden state fed back (the logits
+    are lm_head(norm(h)) either way); `layer_windows` gives a layer sliding-window attention, and then
+    `attention_mask` is a dict of masks by layer type ("full_attention", "sliding_attention"), as `infer.kv.KVState`
+    builds them for `mask_config()`.
 
     Training-time test: call forward repeatedly, feeding step j's output hidden (and tokens drafted or
     shifted for step j+1) back in with the same `past_key_values` (a `DynamicCache`): each call appends its
@@ -69,6 +74,9 @@ class Eagle3Model(DrafterModel):
         layer_config = build_layer_config(config.layer_config, config.attn_implementation)
         layer, rotary = build_decoder_layer(layer_config)
         norm = first_norm(layer)
+        if config.norm_before_fc:  # one norm of the layer's class over all n*D features
+            self.input_norm = type(norm)(len(config.feature_layers) * d,
+                                         eps=getattr(norm, "variance_epsilon", None) or getattr(norm, "eps", 1e-6))
         if config.input_mode == "widen":
             attn = layer.self_attn
             for name in ("q_proj", "k_proj", "v_proj"):
@@ -122,24 +130,56 @@ class Eagle3Model(DrafterModel):
                 past_key_values=None, cache_position=None, fused: bool | None = None):
         # input_ids: [B, T]; hidden_states: [B, T, n*D] (fused target features) or [B, T, D] (own output)
         hidden_states = hidden_states.to(self.dtype)
-        h = self.fc(hidden_states) if self._is_fused(hidden_states, fused) else hidden_states
+        if self._is_fused(hidden_states, fused):
+            h = self.fc(self.input_norm(hidden_states) if self.config.norm_before_fc else hidden_states)
+        else:
+            h = hidden_states
         e = self.embed_tokens(input_ids)
-        attention_mask, position_ids = _defaults(h, attention_mask, position_ids, past_key_values)
-        layer_kwargs = dict(attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, cache_position=cache_position,
+        masks, position_ids = self._layer_masks(h, attention_mask, position_ids, past_key_values)
+        layer_kwargs = dict(position_ids=position_ids, past_key_values=past_key_values, cache_position=cache_position,
                             position_embeddings=rotary_embeddings(self.rotary_emb, h, position_ids))
         layer = self.layers[0]
         if self.config.input_mode == "widen":
             residual = self.hidden_norm(h) if self.config.norm_before_residual else h
             x = torch.cat([layer.input_layernorm(e), self.hidden_norm(h)], dim=-1)
-            h = residual + call_layer(layer.self_attn, x, **layer_kwargs)
+            h = residual + call_layer(layer.self_attn, x, attention_mask=masks[0], **layer_kwargs)
             h = h + layer.mlp(layer.post_attention_layernorm(h))
         else:
             x = self.proj(torch.cat([self.embed_norm(e), self.hidden_norm(h)], dim=-1))
-            h = call_layer(layer, x, **layer_kwargs)
-        for layer in self.layers[1:]:
-            h = call_layer(layer, h, **layer_kwargs)
+            h = call_layer(layer, x, attention_mask=masks[0], **layer_kwargs)
+        for layer, mask in zip(self.layers[1:], masks[1:], strict=True):
+            h = call_layer(layer, h, attention_mask=mask, **layer_kwargs)
+        if self.config.norm_output:  # speculators' norm_output: the normed state is what the next step reads
+            h = self.norm(h)
+            return h, self.lm_head(h)
         return h, self.lm_head(self.norm(h))
+
+    def mask_config(self):
+        """What `infer.kv.KVState` reads to build this drafter's masks (`layer_types`, `sliding_window`), or None
+        when every layer attends to the whole context."""
+        windows = self.config.layer_windows
+        if not windows:
+            return None
+        return types.SimpleNamespace(model_type=self.config.model_type, layer_types=_layer_types(windows),
+                                     sliding_window=next(w for w in windows if w is not None))
+
+    def _layer_masks(self, h, attention_mask, position_ids, past_key_values) -> tuple[list, torch.Tensor]:
+        """Each layer's attention mask, and the positions: the mask given, or its layer type's from a dict of them;
+        none given, the causal mask over the cache and the block, cut to each layer's window."""
+        windows = self.config.layer_windows or [None] * len(self.layers)
+        if isinstance(attention_mask, dict):
+            _, position_ids = _defaults(h, attention_mask, position_ids, past_key_values)
+            return [attention_mask[kind] for kind in _layer_types(windows)], position_ids
+        if attention_mask is not None and any(windows):
+            raise ValueError("this EAGLE-3 drafter has sliding-window layers: pass attention masks by layer type "
+                             "(infer.kv.KVState(..., config=model.mask_config()) builds them), not one mask")
+        mask, position_ids = _defaults(h, attention_mask, position_ids, past_key_values)
+        masks = []
+        for window in windows:
+            far = None if window is None else (  # [B, 1, T, past + T]: keys at or beyond the window
+                position_ids[:, None, :, None] - torch.arange(mask.shape[-1], device=h.device) >= window)
+            masks.append(mask if far is None else mask.masked_fill(far, torch.finfo(mask.dtype).min))
+        return masks, position_ids
 
     def _is_fused(self, hidden_states: torch.Tensor, fused: bool | None) -> bool:
         d, width = self.config.target_hidden_size, self.fc.in_features
@@ -171,3 +211,7 @@ class Eagle3Model(DrafterModel):
         from ..eagle.drafter import EagleDrafter
 
         return EagleDrafter(self, self.config.resolve_tree({**self.config.tree, **tree_overrides}))
+
+
+def _layer_types(windows: list) -> list[str]:
+    return ["full_attention" if w is None else "sliding_attention" for w in windows]

@@ -15,6 +15,10 @@ class Eagle3Objective(EagleObjective):
     layers; CE/KL over the draft vocabulary only, labels outside it masked from the loss; no feature loss."""
 
     def __init__(self, drafter, config, lora_target=None):
+        if drafter.config.layer_windows:  # the unrolled training masks are full attention
+            raise ValueError(f"this EAGLE-3 drafter has sliding-window attention layers (layer_windows "
+                             f"{drafter.config.layer_windows}, as speculators trains them), which selfspec's training "
+                             "does not mask; it drafts with them, but train a drafter of selfspec's own instead")
         super().__init__(drafter, config, lora_target)
         to_target = drafter.draft_to_target(torch.arange(drafter.d2t.numel(), device=drafter.d2t.device))
         to_draft = torch.full((drafter.config.target_vocab_size,), -100, dtype=torch.long)

@@ -10,7 +10,9 @@ The checkpoint is `config.json`, a Llama config with `architectures: ["LlamaForC
 The math is the EAGLE authors' (see eagle_authors.py) with SpecForge's choices:
   - the captured layers are `eagle_aux_hidden_state_layer_ids`, default [1, L//2 - 1, L - 4], counted as SGLang
     counts them: id i is the output of layer i, the residual stream entering layer i + 1 (hidden_states index
-    i + 1), concatenated in the listed order;
+    i + 1); SGLang captures each once and concatenates them in ascending layer order, whatever order the config
+    lists (`set_eagle3_layers_to_capture` and the capture loop of its target models), and so does SpecForge's
+    own capture through SGLang, so fc's column blocks follow the ascending order;
   - head_dim is the config's when it has one;
   - `fc_norm` (an RMSNorm per captured layer before fc) and `norm_output: false` (logits without the final norm)
     have no counterpart in our drafter and are refused.
@@ -62,11 +64,12 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
                              "trained for>")
         n = text_config(target).num_hidden_layers
         ids = [1, n // 2 - 1, n - 4]
-    if len(ids) != 3 or any(not isinstance(i, int) or i < 0 for i in ids):
-        raise ValueError(f"{what}: eagle_aux_hidden_state_layer_ids must be three layer indices >= 0, got {ids}")
+    if len(ids) != 3 or any(not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) != 3:
+        raise ValueError(f"{what}: eagle_aux_hidden_state_layer_ids must be three distinct layer indices >= 0 (SGLang "
+                         f"captures each once), got {ids}")
     name = "model.safetensors" if resolve_file(path_or_id, "model.safetensors", **hub_kwargs) else "pytorch_model.bin"
     tensors = read_tensors(path_or_id, name, **hub_kwargs)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     selfspec = selfspec_fields(what, config)
-    return llama_eagle3(config, tensors, what=what, target=target, feature_layers=[i + 1 for i in ids],
+    return llama_eagle3(config, tensors, what=what, target=target, feature_layers=sorted(i + 1 for i in ids),
                         head_dim=head_dim, fields={k: selfspec[k] for k in SELFSPEC_FIELDS if k in selfspec})

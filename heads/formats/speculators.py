@@ -2,10 +2,13 @@
 `heads.export.export_speculators` included.
 
 `heads.export.import_speculators` maps the weights (`layers.0.*` with `layers.0.hidden_norm`, `fc`, `norm`,
-`lm_head`, `d2t`, `t2d`; `eagle_aux_hidden_state_layer_ids` are hidden_states indices, the residual stream vLLM
-captures entering those layers); here the checkpoint is first checked against the target, and speculators' options
-our drafter does not compute are refused: `norm_before_fc` (one RMSNorm over the concatenated features), `fc_norm`
-(one per feature) and `norm_output` (feeding the normed hidden state back across steps).
+`lm_head`, `d2t`, `t2d`, `input_norm` with `norm_before_fc`; `eagle_aux_hidden_state_layer_ids` are hidden_states
+indices, the residual stream vLLM captures entering those layers, concatenated in ascending order); here the
+checkpoint is first checked against the target. What speculators 0.9.0 trains by default is read as it computes it
+(`speculators/models/eagle3/core.py`): `norm_before_fc` (one RMSNorm over the concatenated features before fc),
+`norm_output` (the normed hidden state fed back to the next step), `norm_before_residual`, and sliding-window layers
+(`transformer_layer_config.layer_types`, `sliding_window`); a checkpoint without `d2t`/`t2d` drafts over the whole
+vocabulary. `fc_norm` (one norm per feature) is refused by name.
 """
 
 from __future__ import annotations
@@ -37,9 +40,6 @@ def load(path_or_id, config: dict, target=None, **hub_kwargs) -> Eagle3Model:
     algorithm = config.get("speculators_model_type")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"{what} is a speculators {algorithm!r} drafter; selfspec imports {list(ALGORITHMS)}")
-    flags = [f for f in ("norm_before_fc", "fc_norm", "norm_output") if config.get(f)]
-    if flags:
-        raise ValueError(f"{what} sets {flags}, which selfspec's EAGLE-3 drafter does not compute")
     check_speculators(what, config, path_or_id, **hub_kwargs)
     layer = config["transformer_layer_config"]
     vocab, draft_vocab = layer["vocab_size"], config["draft_vocab_size"]
