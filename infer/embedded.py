@@ -198,7 +198,15 @@ def resolve_target(name_or_path: str | os.PathLike, **hf_kwargs) -> tuple[PreTra
         # (often only that it could not be reached)
         raise FileNotFoundError(f"no such folder: {str(folder)!r} (the target; looked for {Path(folder).absolute()}, "
                                 f"and as a hub id: {err}); {TARGET_FIX}") from err
-    tokenizer = AutoTokenizer.from_pretrained(folder, **tokenizer_kwargs)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, **tokenizer_kwargs)
+    except (OSError, ValueError) as err:
+        if not Path(folder).is_dir():
+            raise
+        # transformers' own words speak of backend and slow tokenizers, not of the folder that lacks one
+        raise ValueError(f"the target folder {str(folder)!r} holds no tokenizer that transformers can load "
+                         f"({str(err).splitlines()[0]}); save the target's tokenizer beside it "
+                         "(tokenizer.save_pretrained(folder)), or copy its tokenizer files there") from err
     if embedded_target:
         # As from_pretrained records a hub id, record the short name rather than this machine's cache path,
         # so drafters trained on it name a target that resolves anywhere.

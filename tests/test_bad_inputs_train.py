@@ -158,6 +158,16 @@ def _regenerate_onto(c: Ctx, answers: str, settings: str | None = None, *argv):
     return _regenerate(c, *argv)
 
 
+def _target_without_tokenizer(c: Ctx) -> str:
+    """A copy of the shared target folder with its tokenizer files removed (a model saved without one)."""
+    folder = c.tmp / "target"
+    shutil.copytree(c.shared["target"], folder)
+    for path in folder.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            path.unlink()
+    return str(folder)
+
+
 def _without_gpus(c: Ctx) -> None:
     import torch
 
@@ -457,14 +467,14 @@ CASES = {
                                        "cannot be created: "),
     "regenerate: an output line without an id": (lambda c: _regenerate_onto(c, '{"messages": []}\n'), ValueError,
                                                  "o.jsonl: line 1 has no 'id', so it is not an answer"),
-    "regenerate: an output line a JSON list": (lambda c: _regenerate_onto(c, '{"id": "0"}\n[1, 2]\n'), ValueError,
+    "regenerate: an output line a JSON list": (lambda c: _regenerate_onto(c, '{"id": "0", "messages": []}\n[1, 2]\n'), ValueError,
                                                "o.jsonl: line 2 is a JSON list, so it is not an answer"),
-    "regenerate: a damaged settings file": (lambda c: _regenerate_onto(c, '{"id": "0"}\n', '{"target": '), ValueError,
+    "regenerate: a damaged settings file": (lambda c: _regenerate_onto(c, '{"id": "0", "messages": []}\n', '{"target": '), ValueError,
                                             "o.jsonl.settings.json is damaged (not JSON"),
-    "regenerate: a settings file holding a list": (lambda c: _regenerate_onto(c, '{"id": "0"}\n', "[]"), ValueError,
+    "regenerate: a settings file holding a list": (lambda c: _regenerate_onto(c, '{"id": "0", "messages": []}\n', "[]"), ValueError,
                                                    "o.jsonl.settings.json is damaged (a JSON list, not an object)"),
     "regenerate: data changed since the answers": (
-        lambda c: _regenerate_onto(c, '{"id": "0"}\n', '{"data_fingerprint": "3 rows, sha256 0123456789abcdef"}'),
+        lambda c: _regenerate_onto(c, '{"id": "0", "messages": []}\n', '{"data_fingerprint": "3 rows, sha256 0123456789abcdef"}'),
         ValueError, "o.jsonl holds answers to other rows than"),
     "regenerate: a row with no messages": (
         lambda c: _regenerate(c, "--data", c.jsonl({"id": "a", "messages": [USER]}, {"id": "e", "messages": []})),
@@ -473,6 +483,29 @@ CASES = {
                                                 ValueError, "--device cuda: this machine has 0 CUDA GPU(s)"),
     "regenerate: --device not a device": (lambda c: _regenerate(c, "--device", "gpu0"), ValueError,
                                           "--device 'gpu0' is not a device"),
+    "regenerate: --out a file of other records with ids": (
+        lambda c: _regenerate_onto(c, '{"id": "c0", "score": 3}\n'), ValueError,
+        "o.jsonl: line 1 has neither 'messages' nor 'conversations', so it is not an answer this command wrote"),
+    "regenerate: --out is the --data file": (lambda c: _regenerate(c, "--out", c.shared["data"]), ValueError,
+                                             "is the --data file: the answers would be appended to the prompts"),
+    "regenerate: --split on a local file": (lambda c: _regenerate(c, "--split", "test"), ValueError,
+                                            "split 'test' names a split of a hub dataset, but"),
+    "train: data_split on a local file": (lambda c: c.train(data_split="validation"), ValueError,
+                                          "split 'validation' names a split of a hub dataset, but"),
+    "a target folder without its tokenizer": (lambda c: resolve_target(_target_without_tokenizer(c)), ValueError,
+                                              "holds no tokenizer that transformers can load"),
+    "data: a jsonl file starting with a byte-order mark": (
+        lambda c: load_rows(_write_bytes(c, "d.jsonl", b"\xef\xbb\xbf" + b'{"messages": []}\n')), ValueError,
+        "d.jsonl starts with a UTF-8 byte-order mark"),
+    "config: a key given twice in the YAML file": (lambda c: load_config(_yaml(c, "lr: 0.001\nmax_steps: 3\nlr: 0.5\n")),
+                                                   ValueError, "sets 'lr' twice (lines 1 and 3)"),
+    "config: eval_every with no held-out samples allowed": (
+        lambda c: c.config(eval_every=5, max_eval_samples=0), ValueError,
+        "eval_every=5 evaluates on held-out samples, but max_eval_samples=0 holds none out"),
+    "train: eval_every on data too small to hold a sample out": (
+        lambda c: c.train(target=c.shared["target"], data=c.jsonl({"messages": [USER, ASSISTANT]}), eval_every=1,
+                          max_steps=2),
+        ValueError, "eval_every=1 evaluates on held-out samples, but the 1 training sample leaves none to hold out"),
     "synthesize_prompts: temperature nan": (lambda c: _synthesize(c, "--temperature", "nan"), ValueError,
                                             "temperature must be a finite number >= 0"),
     "synthesize_prompts: top_p zero": (lambda c: _synthesize(c, "--top_p", 0), ValueError, "top_p must be in (0, 1]"),

@@ -73,7 +73,7 @@ def test_demo_tree_is_calibrated_where_it_can_be(tmp_path, monkeypatch, capsys):
 
 def test_training_data_is_the_distilled_answers_then_the_first_shipped_ones(tmp_path):
     distilled = tmp_path / "distill.jsonl"
-    distilled.write_text('{"id": "d0"}\n{"id": "d1"}\n')
+    distilled.write_text('{"id": "d0", "messages": []}\n{"id": "d1", "messages": []}\n')
     data = demo.add_shipped_answers(distilled, 3, tmp_path / "train.jsonl")
     ids = [json.loads(line)["id"] for line in data.read_text().splitlines()]
     shipped = [json.loads(line)["id"] for line in demo.SHIPPED_ANSWERS.read_text().splitlines()[:3]]

@@ -107,8 +107,8 @@ def test_several_sampled_answers_per_prompt_resume_by_sample(tmp_path, target):
 
 def test_merge_files_joins_whole_lines_in_order(tmp_path):
     a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
-    a.write_text('{"id": "1"}\n\n{"id": "2"}\n')
-    b.write_text('{"id": "3"}\n{"id": "4", "mess')  # the second file was cut by a kill mid-line
+    a.write_text('{"id": "1", "messages": []}\n\n{"id": "2", "messages": []}\n')
+    b.write_text('{"id": "3", "messages": []}\n{"id": "4", "mess')  # the second file was cut by a kill mid-line
     rows = merge_files([a, tmp_path / "missing.jsonl", b], tmp_path / "all.jsonl")
     assert rows == 3 and [r["id"] for r in read_jsonl(tmp_path / "all.jsonl")] == ["1", "2", "3"]
 
@@ -118,7 +118,7 @@ def test_merge_files_reads_gzipped_answers(tmp_path):
     # were read as a damaged JSONL file and refused.
     shipped, sampled = tmp_path / "shipped.jsonl.gz", tmp_path / "s.jsonl"
     shipped.write_bytes(gzip.compress(b'{"id": "1"}\n{"id": "2"}\n'))
-    sampled.write_text('{"id": "3"}\n')
+    sampled.write_text('{"id": "3", "messages": []}\n')
     assert merge_files([shipped, sampled], tmp_path / "all.jsonl") == 3
     assert [r["id"] for r in read_jsonl(tmp_path / "all.jsonl")] == ["1", "2", "3"]
     assert gzip.decompress(shipped.read_bytes()) == b'{"id": "1"}\n{"id": "2"}\n'  # left as it was

@@ -180,6 +180,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | dict | No
     return config
 
 
+class DuplicateKey(yaml.MarkedYAMLError):
+    """A key given twice in one mapping of a config file."""
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, refusing a key given twice in one mapping: PyYAML keeps the last without a word, so the
+    setting a user reads first in the file would be silently overridden."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode):
+                key = (key_node.tag, key_node.value)
+                if key in seen:
+                    raise DuplicateKey(problem=f"sets {key_node.value!r} twice (lines {seen[key] + 1} and "
+                                       f"{key_node.start_mark.line + 1})", problem_mark=key_node.start_mark)
+                seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep)
+
+
 def _read_yaml(path: Path):
     """The YAML file at `path`, parsed; what is wrong with it (a folder, binary, a syntax error at a line) named."""
     if path.is_dir():
@@ -189,7 +209,10 @@ def _read_yaml(path: Path):
         raise ValueError(f"config file {str(path)!r} does not exist")
     try:
         with open(path, encoding="utf-8") as f:  # a stream, so that YAML's messages name the file, not a string
-            return yaml.safe_load(f)
+            return yaml.load(f, Loader=_UniqueKeyLoader)
+    except DuplicateKey as err:
+        raise ValueError(f"config file {str(path)!r} {err.problem}; keep the one you mean and delete the other") \
+            from None
     except UnicodeDecodeError as err:
         raise ValueError(f"config file {str(path)!r} is not UTF-8 text (it holds the byte {err.object[err.start]:#04x}); "
                          "give the YAML file of overrides, not a binary file") from None
@@ -272,6 +295,10 @@ def validate(config: TrainConfig) -> None:
         raise ValueError(f"config key 'feature_cache_dir' {config.feature_cache_dir!r} is a file; give a folder for "
                          "the feature cache")
     check_ranges(config)
+    if config.eval_every and config.eval_fraction > 0 and config.max_eval_samples == 0:
+        raise ValueError(f"eval_every={config.eval_every} evaluates on held-out samples, but max_eval_samples=0 holds "
+                         "none out, so every evaluation would measure nothing: set max_eval_samples > 0 (e.g. 200), "
+                         "or eval_every: 0")
     if config.early_stop_patience and not (config.eval_every and config.eval_fraction > 0):
         raise ValueError(f"early_stop_patience={config.early_stop_patience} stops on held-out evaluations: set "
                          "eval_every > 0 and eval_fraction > 0, or early_stop_patience: 0")

@@ -55,6 +55,10 @@ def read_text(path: str | Path) -> str:
     UTF-8 is refused naming it and the line where it breaks."""
     path = Path(path)
     raw = gunzip(path) if path.suffix == ".gz" else path.read_bytes()
+    if raw.startswith(b"\xef\xbb\xbf"):  # JSON forbids it: line 1 would be blamed as malformed
+        raise ValueError(f"{path} starts with a UTF-8 byte-order mark (which some Windows editors write) that JSON "
+                         "does not allow; save the file as UTF-8 without it (e.g. `sed -i '1s/^\\xEF\\xBB\\xBF//' "
+                         "<file>`)")
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -95,6 +99,10 @@ def load_rows(source: str, split: str = "train"):
     if suffix in LOCAL_SUFFIXES:
         if not path.is_file():
             raise ValueError(f"data file {source!r} does not exist")
+        if split != "train":  # a local file is read whole: another split asked for would be ignored
+            raise ValueError(f"split {split!r} names a split of a hub dataset, but {source!r} is a local file, read "
+                             "whole (as the split 'train'); leave the split out (--split, data_split), or give the "
+                             "file that holds that split")
         if suffix != ".parquet":
             text = read_text(path)
             if text.strip() in ("", "[]"):

@@ -72,10 +72,11 @@ def read_done_ids(out: Path, repair: bool = True) -> set[str]:
             if i == len(lines) - 1:  # a partial final line: the kill happened mid-write
                 break
             raise ValueError(f"{out}: line {i + 1} is not JSON; refusing to append to a damaged file") from None
-        if not isinstance(record, dict) or record.get("id") is None:
-            what = "has no 'id'" if isinstance(record, dict) else f"is a JSON {type(record).__name__}"
+        what = not_an_answer(record)
+        if what:
             raise ValueError(f"{out}: line {i + 1} {what}, so it is not an answer this command wrote (one object "
-                             "with an id per line); give --out a file of its own, or a file it wrote")
+                             "with an id and its messages per line); give --out a file of its own, or a file it "
+                             "wrote. Nothing was changed.")
         done.add(str(record["id"]))
         keep += len(line) + 1
     if not repair:
@@ -87,6 +88,18 @@ def read_done_ids(out: Path, repair: bool = True) -> set[str]:
         with out.open("ab") as f:
             f.write(b"\n")
     return done
+
+
+def not_an_answer(record) -> str | None:
+    """What makes an output line no record of ours, or None: a file of other records with ids (the user's own)
+    would otherwise be resumed, and answers appended to it."""
+    if not isinstance(record, dict):
+        return f"is a JSON {type(record).__name__}"
+    if record.get("id") is None:
+        return "has no 'id'"
+    if not isinstance(record.get("messages", record.get("conversations")), list):
+        return "has neither 'messages' nor 'conversations'"
+    return None
 
 
 def merge_files(sources: list[str | Path], dest: str | Path) -> int:
@@ -516,6 +529,10 @@ def main(argv=None) -> None:
     from .vllm_engine import vllm_model_path
 
     check_local_folder(args.target, "--target", TARGET_FIX)
+    out = Path(args.out)
+    if out.is_file() and Path(args.data).is_file() and out.samefile(args.data):
+        raise ValueError(f"--out {args.out} is the --data file: the answers would be appended to the prompts they "
+                         f"answer; give --out a file of its own (e.g. {out.with_name(out.stem + '_regenerated.jsonl')})")
     check_generation(max_new_tokens=args.max_new_tokens, batch_size=args.batch_size, temperature=args.temperature,
                      top_p=args.top_p, max_samples=args.max_samples)
     if args.engines < 1 or (args.engines > 1 and args.engine != "vllm"):

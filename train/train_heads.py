@@ -493,6 +493,10 @@ def prepare_inputs(config: TrainConfig, accelerator, checkpoint: Path | None = N
     fingerprints["samples"] = samples_fingerprint(samples)
     check_unchanged(recorded, fingerprints, config, checkpoint)
     train_set, eval_set = split_samples(samples, config.eval_fraction, config.max_eval_samples, config.seed)
+    if config.eval_every and config.eval_fraction > 0 and not eval_set:
+        raise ValueError(f"eval_every={config.eval_every} evaluates on held-out samples, but the {len(samples)} "
+                         "training sample leaves none to hold out, so every evaluation would measure nothing (and "
+                         "keep_best would write no best/): add data, or set eval_every: 0")
     data_stats.train, data_stats.eval = len(train_set), len(eval_set)
     total_steps = total_optimizer_steps(config, accelerator, [len(s.input_ids) for s in train_set])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
