@@ -360,6 +360,7 @@ def test_speculators_current_defaults_draft_what_speculators_computes(tmp_path):
     """speculators 0.9.0 trains EAGLE-3 with norm_before_fc, norm_output and sliding-window layers, and lists the
     layers as given: each is read as its Eagle3DraftModel computes it (the chain fed back with the normed state,
     the window cutting the prompt), generation stays exact, and the export writes the flags back."""
+    from heads.eagle3.lean import why_not
     from heads.eagle3.objective import Eagle3Objective
     from heads.export import export_speculators
 
@@ -392,6 +393,7 @@ def test_speculators_current_defaults_draft_what_speculators_computes(tmp_path):
     assert drafted_chain(again, t, PROMPT, 3) == chain
     with pytest.raises(ValueError, match="sliding-window attention layers .* does not mask"):
         Eagle3Objective(model, None)  # training masks attend to everything
+    assert "sliding-window" in why_not(model.attach(t))  # drafts through the model's own modules
 
 
 @pytest.mark.parametrize("fmt", ["speculators", "eagle_authors", "specforge"])

@@ -454,7 +454,8 @@ def _eagle3(target, **options):
 
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
-@pytest.mark.parametrize("options", [{}, {"num_layers": 2, "norm_before_residual": True}], ids=["one", "two"])
+@pytest.mark.parametrize("options", [{}, {"num_layers": 2, "norm_before_residual": True},
+                                     {"norm_before_fc": True, "norm_output": True}], ids=["one", "two", "speculators"])
 def test_eagle3_lean_forward_is_the_drafters(stream_rows, options):
     if stream_rows:
         _kernel()
