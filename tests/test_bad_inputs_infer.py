@@ -60,9 +60,25 @@ def cli(name: str, *argv) -> None:
 
 
 def bench_cli(tmp: Path, *argv) -> None:
-    """scripts/bench.py on a question file of one question and a target that is not there (never loaded)."""
+    """scripts/bench.py on a question file of one question and a target that is not there (never loaded), writing
+    into tmp/out unless the row gives its own --out."""
     cli("bench", "--questions", questions(tmp, '{"question_id": 1, "category": "a", "turns": ["x"]}\n'),
-        "--target", tmp / "no-target", *argv)
+        "--target", tmp / "no-target", "--out", tmp / "out", *argv)
+
+
+def earlier_bench(tmp: Path, records: str, settings: dict | None = None, finished: bool = False) -> Path:
+    """tmp/out as a benchmark left it: its records.jsonl and (unless None) the settings they were measured with."""
+    import json
+
+    out = tmp / "out"
+    out.mkdir()
+    (out / "records.jsonl").write_text(records)
+    if settings is not None:
+        (out / "records.settings.json").write_text(json.dumps({"settings": settings, "finished": finished}))
+    return out
+
+
+RECORD = '{"question_id": 1, "turn": 1, "results": {}}\n'
 
 
 def saved_drafter(tmp: Path, target) -> Path:
@@ -239,6 +255,16 @@ ROWS = [
     ("bench: top-p above one", lambda t, tmp: bench_cli(tmp, "--sample", "--top-p", "1.5"), ValueError, "argument --top-p: must be a finite number in (0, 1]"),
     ("bench: oracle alpha above one", lambda t, tmp: bench_cli(tmp, "--oracle", "1.5"), ValueError, "argument --oracle: must be a finite number in [0, 1]"),
     ("bench: a device torch does not know", lambda t, tmp: bench_cli(tmp, "--device", "gpu0"), ValueError, "argument --device: 'gpu0' is not a torch device"),
+    ("bench: --temperature without --sample", lambda t, tmp: bench_cli(tmp, "--temperature", "0.3"), ValueError, "--temperature without --sample: add --sample to time sampled generation"),
+    ("bench: --seed without --sample", lambda t, tmp: bench_cli(tmp, "--seed", "3"), ValueError, "--seed without --sample"),
+    ("bench: --tree with no trained drafter", lambda t, tmp: bench_cli(tmp, "--drafter", "ngram", "--tree", "depth=3"), ValueError, "--tree depth=3 sets trained drafters' trees, but no --drafter is a trained drafter (ngram)"),
+    ("bench: --second-turns on questions of one turn", lambda t, tmp: bench_cli(tmp, "--second-turns"), ValueError, "--second-turns times second turns, but none of the 1 questions selected has one"),
+    ("bench: a new run over an unfinished run's records", lambda t, tmp: (earlier_bench(tmp, RECORD), bench_cli(tmp)), ValueError, "holds 1 records of a run that did not finish"),
+    ("bench: --resume with another --max-new-tokens", lambda t, tmp: (earlier_bench(tmp, RECORD, {"max_new_tokens": 4}), bench_cli(tmp, "--resume", "--max-new-tokens", "8")), ValueError, "was measured with other settings (max_new_tokens 4 -> 8)"),
+    ("bench: --resume adding --sample", lambda t, tmp: (earlier_bench(tmp, RECORD, {"sampling": None}), bench_cli(tmp, "--resume", "--sample")), ValueError, "was measured with other settings (sampling None -> {'temperature': 0.7"),
+    ("bench: --resume onto another target", lambda t, tmp: (earlier_bench(tmp, RECORD, {"target": "other"}), bench_cli(tmp, "--resume")), ValueError, "was measured with other settings (target 'other' -> '"),
+    ("bench: --resume on a records line that is not JSON", lambda t, tmp: (earlier_bench(tmp, "garbage\n" + RECORD), bench_cli(tmp, "--resume")), ValueError, "records.jsonl: line 1 is not JSON, so the records cannot be resumed"),
+    ("bench: --resume on records of something else", lambda t, tmp: (earlier_bench(tmp, '{"id": 1}\n'), bench_cli(tmp, "--resume")), ValueError, "records.jsonl: line 1 is not a record of a benchmark run"),
     ("serve: port zero", lambda t, tmp: cli("serve", tmp / "drafter", "--dry-run", "--port", "0"), ValueError, "argument --port: must be in 1..65535, got 0"),
     ("serve: no speculative tokens", lambda t, tmp: cli("serve", "ngram", "--target", "x", "--dry-run", "--num-speculative-tokens", "0"), ValueError, "argument --num-speculative-tokens: must be >= 1"),
     ("serve: start-up timeout NaN", lambda t, tmp: cli("serve", "ngram", "--target", "x", "--dry-run", "--startup-timeout", "nan"), ValueError, "argument --startup-timeout: must be a finite number of seconds > 0"),
@@ -282,3 +308,14 @@ def test_a_mistyped_relative_target_is_said_to_be_no_folder_before_what_the_hub_
                                                 r"/.*, and as a hub id: "):
         cli("bench", "--questions", questions(tmp_path, '{"question_id": 1, "category": "a", "turns": ["x"]}\n'),
             "--target", "runs/no_such_target")
+
+
+def test_a_generator_on_another_device_than_the_target_is_refused_with_the_fix():
+    """A CPU generator for a CUDA target failed inside the first sampled step (torch.rand refuses it there); checked
+    here with the devices given, since this machine may have no GPU."""
+    from infer.request import check_generator
+
+    check_generator(None, torch.device("cuda"))
+    check_generator(torch.Generator(), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"pass torch.Generator\(device='cuda:0'\)"):
+        check_generator(torch.Generator(), torch.device("cuda:0"))

@@ -187,6 +187,20 @@ def test_resume_measures_only_what_an_interrupted_run_left(questions_file, tmp_p
                         done=[json.loads(records[0])], progress=False)
 
 
+def test_resume_after_a_kill_cut_the_last_record_measures_that_turn_again(tmp_path):
+    """A kill while a record was written leaves a cut last line: --resume keeps the whole records, drops the cut
+    one from the file (the next record would be glued onto it) and goes on; before, json raised its own error."""
+    out = tmp_path / "out"
+    out.mkdir()
+    record = json.dumps({"question_id": 1, "turn": 1, "results": {}}) + "\n"
+    (out / "records.jsonl").write_text(record + '{"question_id": 2, "turn": 1, "resu')
+    (tmp_path / "q.jsonl").write_text(json.dumps({"question_id": 1, "category": "a", "turns": ["x"]}) + "\n")
+    with pytest.raises(FileNotFoundError, match="no such folder"):  # the records were read; the target is not there
+        bench.main(["--questions", str(tmp_path / "q.jsonl"), "--target", str(tmp_path / "none"), "--out", str(out),
+                    "--resume"])
+    assert (out / "records.jsonl").read_text() == record
+
+
 def test_load_questions_validates_and_filters(tmp_path, questions_file):
     assert [q["question_id"] for q in bench.load_questions(questions_file, categories=["beta"])] == [2]
     assert len(bench.load_questions(questions_file, limit=1)) == 1

@@ -67,10 +67,12 @@ from train.bench.methods import (
     check_drafter_spec,
     drafter_method,
     hf_method,
+    is_trained,
     oracle_method,
     parse_tree,
     vllm_method,
 )
+from train.bench.records import RECORDS, earlier_records, measured_settings, write_settings
 from train.bench.report import environment, memory_floor, report_mismatches, to_markdown, write_outputs
 
 
@@ -164,10 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "its ngram or suffix drafting, or a drafter folder exported for vLLM; repeatable")
     parser.add_argument("--sample", action="store_true",
                         help="time sampled generation (transformers' sampling as the baseline), not greedy")
-    parser.add_argument("--temperature", type=number_in(0, open_low=True), default=0.7, help="with --sample")
-    parser.add_argument("--top-p", type=number_in(0, 1, open_low=True), default=0.9, help="with --sample (1 = no nucleus filter)")
-    parser.add_argument("--top-k", type=at_least(0), default=0, help="with --sample (0 = no top-k filter)")
-    parser.add_argument("--seed", type=int, default=0, help="with --sample: the first generation's torch seed")
+    parser.add_argument("--temperature", type=number_in(0, open_low=True), default=None,
+                        help=f"with --sample (default {SAMPLING_DEFAULTS['temperature']})")
+    parser.add_argument("--top-p", type=number_in(0, 1, open_low=True), default=None,
+                        help=f"with --sample (1 = no nucleus filter; default {SAMPLING_DEFAULTS['top_p']})")
+    parser.add_argument("--top-k", type=at_least(0), default=None, help="with --sample (0 = no top-k filter, the default)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="with --sample: the first generation's torch seed (default 0); with --random-target: "
+                             "the random weights' seed")
     parser.add_argument("--strict", action="store_true",
                         help="exit 1 if any selfspec or transformers greedy output differs")
     parser.add_argument("--no-plots", action="store_true")
@@ -197,6 +203,26 @@ def random_shape(text: str) -> str:
     return text
 
 
+# --sample's settings where the command line leaves them out
+SAMPLING_DEFAULTS = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 0}
+
+
+def settle_sampling(parser: argparse.ArgumentParser, args) -> None:
+    """--temperature, --top-p, --top-k (and, with questions, --seed) set sampled generation: given without
+    --sample they would be ignored and greedy decoding timed, so they are refused; left out, their defaults."""
+    flags = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k"}
+    if not args.random_target:
+        flags["seed"] = "--seed"  # the random target's weights take the seed without --sample
+    given = [flag for name, flag in flags.items() if getattr(args, name) is not None]
+    if given and not args.sample:
+        fix = "leave them out: --random-target times greedy decoding" if args.random_target else \
+            "add --sample to time sampled generation, or leave them out (greedy decoding ignores them)"
+        parser.error(f"{', '.join(given)} without --sample: {fix}")
+    for name, value in SAMPLING_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
 def check_out(parser: argparse.ArgumentParser, out: str) -> None:
     """Refuse an --out the results cannot be written into, before any model loads: a file, a folder under a
     file, or a place without write permission. Nothing is created here."""
@@ -214,6 +240,7 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_out(parser, args.out)
+    settle_sampling(parser, args)
     if args.random_target:
         return _random_target(parser, args, argv)
     if not args.questions:
@@ -223,13 +250,21 @@ def main(argv=None) -> int:
     from infer.embedded import resolve_target
 
     threads = args.threads or os.cpu_count() or 1
-    torch.set_num_threads(threads)
     questions = load_questions(args.questions, args.limit, args.categories, args.per_category)
     if not questions:
         parser.error("no questions selected")
+    if args.second_turns and not any(len(q["turns"]) > 1 for q in questions):
+        parser.error(f"--second-turns times second turns, but none of the {len(questions)} questions selected has "
+                     "one; give questions with two turns (MT-bench's), or leave --second-turns out")
     tree = parse_tree(args.tree)
     for spec in args.drafter:
         check_drafter_spec(spec)
+    if tree and not any(is_trained(spec) for spec in args.drafter):
+        parser.error(f"--tree {args.tree} sets trained drafters' trees, but no --drafter is a trained drafter "
+                     f"({', '.join(args.drafter) or 'none given'}); give a drafter folder, or leave --tree out")
+    settings = measured_settings(args, threads)
+    done = earlier_records(args.out, settings, args.resume)  # before anything loads: what a resume keeps
+    torch.set_num_threads(threads)
     sampling = None
     if args.sample:
         if args.oracle:
@@ -248,7 +283,7 @@ def main(argv=None) -> int:
     try:
         for spec in args.vllm:
             methods.append(vllm_method(spec, args.target, args.dtype, threads, Path(args.out), sampling))
-        return _run(args, argv, target, tokenizer, questions, methods, sampling)
+        return _run(args, argv, target, tokenizer, questions, methods, sampling, (settings, done))
     finally:
         for m in methods:
             if m.close is not None:
@@ -272,19 +307,20 @@ def _random_target(parser, args, argv) -> int:
     return run_random_target(args, argv)
 
 
-def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | None) -> int:
+def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | None, earlier: tuple) -> int:
+    """`earlier`: the run's measured settings and the records a resumed run keeps (`earlier_records`)."""
     print(f"{len(questions)} questions, methods: {', '.join(m.name for m in methods)}, "
           f"torch threads: {torch.get_num_threads()}")
 
     load_before = environment(target, torch.get_num_threads())["load_average"]
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    partial = Path(args.out) / "records.jsonl"  # one line per question as it finishes
-    done = []
-    if args.resume and partial.exists():
-        done = [json.loads(line) for line in partial.read_text().splitlines() if line.strip()]
+    partial = Path(args.out) / RECORDS  # one line per question as it finishes
+    settings, done = earlier
+    if done:
         print(f"resuming: {len(done)} records measured earlier in {partial}")
     else:
         partial.write_text("")
+    write_settings(args.out, settings, done=False)
 
     def keep(record: dict) -> None:
         with open(partial, "a") as f:
@@ -306,6 +342,7 @@ def _run(args, argv, target, tokenizer, questions, methods, sampling: dict | Non
                               oracle=args.oracle or None, oracle_depth=args.oracle_depth if args.oracle else None,
                               tree=parse_tree(args.tree) or None)
     paths = write_outputs(result, args.out, plots=not args.no_plots)
+    write_settings(args.out, settings, done=True)
     print(to_markdown(result))
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     report_mismatches(result)

@@ -208,6 +208,15 @@ def check_drafter_spec(spec: str) -> None:
                      "a hub id (owner/name)")
 
 
+def is_trained(spec: str) -> bool:
+    """Whether --drafter `spec` loads a trained drafter (a folder, shipped drafter or hub id), whose tree --tree
+    sets, rather than a drafter by name or a draft model (`load_drafter`)."""
+    from infer.drafters import DRAFTERS
+
+    base, _ = split_suffixes(spec)
+    return not (base.partition(":")[0] in DRAFTERS or base.startswith("draft-model:"))
+
+
 def drafter_method(spec: str, target, tree: dict | None = None, sampling: dict | None = None) -> Method:
     """SelfSpecModel with the drafter `spec` names, its suffixes (LOOKUP_SUFFIX, ...) setting the options."""
     base, options = split_suffixes(spec)
