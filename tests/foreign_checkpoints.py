@@ -17,7 +17,7 @@ from torch import nn
 from transformers import LlamaConfig, PretrainedConfig, Qwen3Config
 
 TARGET_LAYERS = 8  # EAGLE-3's default layers (2, L//2, L-3) must be distinct: a 4-layer target has only two
-FORMATS = ["eagle_authors", "specforge", "speculators", "medusa_fd", "dflash_zlab"]
+FORMATS = ["eagle_authors", "eagle1_authors", "specforge", "speculators", "medusa_fd", "dflash_zlab"]
 
 
 def target_model(**overrides):
@@ -87,6 +87,47 @@ def write_eagle_authors(folder, target, draft_vocab: int = 48, seed: int = 0) ->
     torch.save(weights, folder / "pytorch_model.bin")
     return {"config": config, "weights": weights, "layers": [2, 4, 5], "rope_theta": 10000.0, "eps": 1e-5,
             "prefix": "midlayer.", "hidden_norm": "midlayer.hidden_norm.weight", "norm_before_residual": False}
+
+
+def write_eagle1_authors(folder, target, seed: int = 5, layout: str = "llama3") -> dict:
+    """SafeAILab/EAGLE's EAGLE-1/2 drafter as its training writes it (eagle/train/main.py; the layer of
+    eagle/model/cnets1.py at commit cb7e084): a one-layer Llama config and `pytorch_model.bin` with `fc` over
+    [embedding, feature], `layers.0.*` without `input_layernorm`, and a copy of the target's `embed_tokens.weight`
+    (saved in fp32). Layouts: "llama3" is yuhuili/EAGLE-LLaMA3-Instruct-8B's (config from eagle/train/
+    EAGLE-LLaMA3-Instruct-8B: `bias: false`, rope_theta 500000, grouped KV heads), "vicuna" yuhuili/EAGLE-Vicuna-7B-
+    v1.3's (no `bias` key, so fc has one; no rope_theta), "qwen2" their Qwen2 drafters' (`qkv_bias: true`)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    c = target.config
+    d, i, h, kv = c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads
+    config = {"architectures": ["LlamaForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+              "hidden_size": d, "initializer_range": 0.02, "intermediate_size": i, "max_position_embeddings": 2048,
+              "model_type": "llama", "num_attention_heads": h, "num_hidden_layers": 1, "pad_token_id": 0,
+              "rms_norm_eps": 1e-05 if layout == "llama3" else 1e-06, "tie_word_embeddings": False,
+              "torch_dtype": "float16", "transformers_version": "4.28.1", "use_cache": True, "vocab_size": c.vocab_size}
+    if layout == "llama3":
+        config.update(num_key_value_heads=kv, rope_theta=500000.0, bias=False)
+    if layout == "qwen2":
+        config.update(num_key_value_heads=kv, rope_theta=1000000.0, qkv_bias=True)
+    kv = config.get("num_key_value_heads", h)
+    hd = d // h
+    g = torch.Generator().manual_seed(seed)
+    p = "layers.0."
+    weights = {"embed_tokens.weight": target.get_input_embeddings().weight.detach().float().clone(),
+               "fc.weight": _randn(g, d, 2 * d, scale=0.2),
+               p + "self_attn.q_proj.weight": _randn(g, h * hd, d), p + "self_attn.k_proj.weight": _randn(g, kv * hd, d),
+               p + "self_attn.v_proj.weight": _randn(g, kv * hd, d), p + "self_attn.o_proj.weight": _randn(g, d, h * hd),
+               p + "mlp.gate_proj.weight": _randn(g, i, d), p + "mlp.up_proj.weight": _randn(g, i, d),
+               p + "mlp.down_proj.weight": _randn(g, d, i), p + "post_attention_layernorm.weight": _norm(g, d)}
+    if config.get("bias", True):
+        weights["fc.bias"] = _randn(g, d, scale=0.1)
+    if layout == "qwen2":
+        weights.update({p + "self_attn.q_proj.bias": _randn(g, h * hd), p + "self_attn.k_proj.bias": _randn(g, kv * hd),
+                        p + "self_attn.v_proj.bias": _randn(g, kv * hd)})
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    torch.save(weights, folder / "pytorch_model.bin")
+    return {"config": config, "weights": weights, "rope_theta": config.get("rope_theta", 10000.0),
+            "eps": config["rms_norm_eps"]}
 
 
 def write_specforge(folder, target, draft_vocab: int = 48, seed: int = 1, aux_layer_ids=(4, 0, 2),
@@ -247,5 +288,6 @@ def write_dflash_zlab(folder, target, block_size: int = 4, num_layers: int = 2, 
     return {"config": json.loads((folder / "config.json").read_text()), "weights": weights}
 
 
-WRITERS = {"eagle_authors": write_eagle_authors, "specforge": write_specforge, "speculators": write_speculators,
+WRITERS = {"eagle_authors": write_eagle_authors, "eagle1_authors": write_eagle1_authors,
+           "specforge": write_specforge, "speculators": write_speculators,
            "medusa_fd": write_medusa_fd, "dflash_zlab": write_dflash_zlab}

@@ -16,6 +16,7 @@ from foreign_checkpoints import (
     WRITERS,
     target_model,
     write_dflash_zlab,
+    write_eagle1_authors,
     write_eagle_authors,
     write_medusa_fd,
     write_specforge,
@@ -133,6 +134,34 @@ def eagle3_reference(t, ids, ckpt, k: int):
     return top + d2t[top], logits
 
 
+def eagle1_chain(t, ids, ckpt, steps: int) -> list[int]:
+    """EAGLE-1/2 as the EAGLE authors' code computes it (cnets1.py): the target's last hidden state (after its final
+    norm) and the embedding of the next token through fc (with its bias), the layer without an input norm (causal
+    attention with RoPE, q/k/v biases where the config has qkv_bias), then the MLP; the target's lm_head on the
+    output, no norm. Each greedy draft goes in at the next position with the output hidden state that drafted it,
+    everything recomputed. Returns the drafted token ids."""
+    w = {key: v.float() for key, v in ckpt["weights"].items()}
+    p, cfg = "layers.0.self_attn.", ckpt["config"]
+    out, root = target_pass(t, ids)
+    hidden, tokens = out.hidden_states[-1][0], torch.cat([ids[0, 1:], root[None]])
+    hd = cfg["hidden_size"] // cfg["num_attention_heads"]
+    chain = []
+    for _ in range(steps):
+        with torch.no_grad():
+            emb = t.get_input_embeddings()(tokens)
+        x = torch.cat([emb, hidden], dim=-1) @ w["fc.weight"].T + w.get("fc.bias", 0)
+        n, pos = len(tokens), torch.arange(len(tokens))
+        q, k, v = ((x @ w[p + f"{name}_proj.weight"].T + w.get(p + f"{name}_proj.bias", 0)).view(n, -1, hd)
+                   .transpose(0, 1) for name in "qkv")
+        theta = ckpt["rope_theta"]
+        a = attend(rotate(q, pos, theta), rotate(k, pos, theta), v, torch.ones(n, n, dtype=torch.bool).tril())
+        h = x + a @ w[p + "o_proj.weight"].T
+        h = h + swiglu(rms(h, w["layers.0.post_attention_layernorm.weight"], ckpt["eps"]), w, "layers.0.")
+        chain.append(int((h[-1] @ t.get_output_embeddings().weight.detach().T).argmax()))
+        tokens, hidden = torch.cat([tokens, torch.tensor(chain[-1:])]), torch.cat([hidden, h[-1:]])
+    return chain
+
+
 def medusa_reference(t, ids, ckpt, k: int):
     """Medusa head i on the target's last hidden state: x + SiLU(W x + b) per block, then its own lm_head.
     Returns the top-k token ids per head, [K, k]."""
@@ -206,7 +235,7 @@ def test_import_loads_the_right_kind_and_stays_exact(fmt, tmp_path):
     WRITERS[fmt](tmp_path, t)
     assert heads.imported_format(tmp_path).name == fmt
     model = heads.load(tmp_path, target=t)
-    assert model.kind == {"medusa_fd": "medusa", "dflash_zlab": "dflash"}.get(fmt, "eagle3")
+    assert model.kind == {"medusa_fd": "medusa", "dflash_zlab": "dflash", "eagle1_authors": "eagle"}.get(fmt, "eagle3")
     assert model.dtype == torch.float32
     expected = t.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
     spec = SelfSpecModel.from_pretrained(str(tmp_path), target=t)
@@ -456,6 +485,48 @@ def test_speculators_export_writes_layers_as_vllm_captures_them(tmp_path):
         assert not (tmp_path / "refused").exists()
 
 
+# ---- EAGLE-1/2 as the EAGLE authors publish them (issue 56) -----------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["llama3", "vicuna", "qwen2"])
+def test_eagle1_authors_draft_what_their_code_computes(layout, tmp_path):
+    """yuhuili/EAGLE-LLaMA3-Instruct-8B's layout (fc without bias, `bias: false`), EAGLE-Vicuna's (fc with a bias)
+    and their Qwen2 drafters' (q/k/v biases): layer 0 without an input norm, the target's lm_head on its output."""
+    t = target()
+    ckpt = write_eagle1_authors(tmp_path, t, layout=layout)
+    assert heads.imported_format(tmp_path).name == "eagle1_authors"
+    model = heads.load(tmp_path, target=t)
+    assert model.kind == "eagle" and model.config.layer_input_norm is False
+    assert model.fc.bias is not None if layout != "llama3" else model.fc.bias is None
+    assert drafted_chain(model, t, PROMPT, 4) == eagle1_chain(t, PROMPT, ckpt, 4)
+    expected = t.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path), target=t)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24, eos_token_id=[]), expected)
+    model.save_pretrained(tmp_path / "ours")  # ours from now on, the layout kept
+    again = heads.load(tmp_path / "ours").attach(t)
+    assert drafted_chain(again, t, PROMPT, 4) == eagle1_chain(t, PROMPT, ckpt, 4)
+
+
+def _eagle1_bias_missing(folder, t):
+    write_eagle1_authors(folder, t, layout="vicuna")
+    weights = torch.load(folder / "pytorch_model.bin", weights_only=True)
+    del weights["fc.bias"]
+    torch.save(weights, folder / "pytorch_model.bin")
+
+
+def _one_layer_llama(folder, t):
+    """A one-layer Llama model saved as pytorch_model.bin: the same config family, not a drafter."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = t.config
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+                                         num_attention_heads=c.num_attention_heads, num_hidden_layers=1,
+                                         vocab_size=c.vocab_size))
+    model.config.architectures = ["LlamaForCausalLM"]
+    model.config.save_pretrained(folder)
+    torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+
 # ---- bad input: refused by name before any generation ------------------------------------------------------------
 
 
@@ -519,6 +590,10 @@ BAD = [
                                                                speculators_model_type="dflash"),
      ValueError, r"speculators 'dflash' drafter; selfspec imports \['eagle3'\]"),
     ("Medusa blocks that differ", lambda f, t: _unshared_medusa(f, t), ValueError, r"head 0's residual blocks differ"),
+    ("EAGLE-1 fc bias missing", _eagle1_bias_missing, ValueError,
+     r"gives fc a bias \(no `bias: false`\), which pytorch_model.bin lacks"),
+    ("one-layer Llama model, not a drafter", _one_layer_llama, ValueError,
+     r"holds fc.weight \[32, 64\] .* it is not an EAGLE drafter"),
 ]
 
 

@@ -65,6 +65,9 @@ class EagleConfig(DrafterConfig):
     layer_config: dict | None = None  # one-layer, full-attention config of the drafter's layer (with model_type)
     attn_implementation: str | None = None  # of the drafter layer: "sdpa" or "eager" (None = per architecture)
     fc_bias: bool = True  # the fc over [embedding, feature]
+    # The decoder layer's input norm. False: fc's output enters attention as it is, as in the EAGLE authors' EAGLE-1/2
+    # drafters (their layer 0 has no input_layernorm: SafeAILab/EAGLE eagle/model/cnets1.py); Llama layers only.
+    layer_input_norm: bool = True
 
     TREE_DEFAULTS = EAGLE_TREE_DEFAULTS
 

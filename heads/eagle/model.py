@@ -21,7 +21,8 @@ class EagleModel(DrafterModel):
     """`forward(input_ids [B, T], hidden_states [B, T, D], ...) -> (hidden [B, T, D], logits [B, T, V])`.
 
     Input at t is the pair (token x_{t+1}, target feature f_t), f being the target's last hidden state after
-    its final norm (`output_hidden_states[-1]`). The output hidden state at t predicts f_{t+1}; the logits
+    its final norm (`output_hidden_states[-1]`); with `layer_input_norm=False` the layer reads fc's output without
+    its input norm (the EAGLE authors' EAGLE-1/2 layout). The output hidden state at t predicts f_{t+1}; the logits
     (the target's frozen lm_head on it) predict x_{t+2}. The decoder layer is transformers' Llama layer at the
     target's sizes or the target architecture's own class (`config.layer_style`); embeddings and lm_head are
     the target's, bound by `attach` and never saved.
@@ -41,6 +42,11 @@ class EagleModel(DrafterModel):
         d = config.target_hidden_size
         self.fc = nn.Linear(2 * d, d, bias=config.fc_bias)
         layer, rotary = build_decoder_layer(build_layer_config(config.layer_config, config.attn_implementation))
+        if not config.layer_input_norm:
+            if not isinstance(getattr(layer, "input_layernorm", None), nn.Module):
+                raise ValueError(f"layer_input_norm=False takes a Llama-style layer's input_layernorm away; the "
+                                 f"{type(layer).__name__} layer has none: build it with layer_style='llama'")
+            layer.input_layernorm = nn.Identity()  # the layer's own forward then feeds fc's output to attention
         self.layers = nn.ModuleList([layer])
         self.rotary_emb = rotary
         self.post_init()

@@ -58,6 +58,8 @@ class Eagle3Config(EagleConfig):
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"EAGLE-3 num_layers must be an int >= 1, got {self.num_layers!r}")
         self._check_windows()
+        if not self.layer_input_norm:  # EAGLE-3's input norm is over the embedding, which it always reads
+            raise ValueError("EAGLE-3 has no layer_input_norm=False variant (that is EAGLE-1/2's, drafter kind 'eagle')")
         if self.input_mode not in (*INPUT_MODES, "auto"):
             raise ValueError(f"EAGLE-3 input_mode must be one of {INPUT_MODES} or 'auto', got {self.input_mode!r}")
         if self.layer_config is not None:

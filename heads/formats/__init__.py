@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import dflash_zlab, eagle_authors, medusa_fd, specforge, speculators
+from . import dflash_zlab, eagle1_authors, eagle_authors, medusa_fd, specforge, speculators
 from .common import CANDIDATE_FILES, files_of
 
 
@@ -37,7 +37,7 @@ def register(fmt: Format) -> None:
     FORMATS[fmt.name] = fmt
 
 
-for _module in (eagle_authors, specforge, speculators, medusa_fd, dflash_zlab):
+for _module in (eagle_authors, eagle1_authors, specforge, speculators, medusa_fd, dflash_zlab):
     register(Format(_module.NAME, _module.DESCRIPTION, _module.detect, _module.target_name, _module.load))
 
 
