@@ -78,7 +78,9 @@ class SelfSpecModel(Engine):
                                  "otherwise); pass target=")
             from .embedded import resolve_target
 
-            target, tokenizer = resolve_target(name, **kwargs)
+            target, recorded = resolve_target(name, **kwargs)
+            # a tokenizer given is the one the caller encodes with: it is what the drafter checks, not the target's
+            tokenizer = recorded if tokenizer is None else tokenizer
             if drafter is None:
                 drafter = heads.load(drafter_path_or_hub_id, target=target)
             adapter = (drafter.config.training or {}).get("target_adapter")

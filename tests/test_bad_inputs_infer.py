@@ -88,6 +88,25 @@ def saved_drafter(tmp: Path, target) -> Path:
     return tmp / "drafter"
 
 
+def drafter_of_a_saved_target(tmp: Path) -> str:
+    """A drafter folder recording a target folder and the char tokenizer's fingerprint."""
+    from train_fixtures import char_tokenizer, save_tiny_target
+    from transformers import AutoModelForCausalLM
+
+    import heads
+
+    folder = save_tiny_target(tmp / "target")
+    heads.build("medusa", AutoModelForCausalLM.from_pretrained(folder), tokenizer=char_tokenizer()).save_pretrained(
+        tmp / "drafter")
+    return str(tmp / "drafter")
+
+
+def other_tokenizer():
+    from train_fixtures import character_tokenizer
+
+    return character_tokenizer(["<pad>", "<s>", "</s>", "<unk>"], "abc", None)
+
+
 def user_folder(tmp: Path) -> Path:
     (tmp / "mine").mkdir()
     (tmp / "mine" / "config.json").write_text("{}")
@@ -166,6 +185,7 @@ ROWS = [
     ("from_pretrained with a flag as text, before loading", lambda t: SelfSpecModel.from_pretrained("/nonexistent/drafter", compile="no"), ValueError, "compile must be True or False"),
     ("from_pretrained with a number for the drafter", lambda t: SelfSpecModel.from_pretrained(7, target=t), TypeError, "drafter_path_or_hub_id must be a folder or a hub id"),
     ("from_pretrained with a name for the target", lambda t: SelfSpecModel.from_pretrained("/nonexistent/drafter", target="gpt2"), TypeError, "target must be a transformers causal LM"),
+    ("from_pretrained with a tokenizer not the drafter's, its target loaded", lambda t, tmp: SelfSpecModel.from_pretrained(drafter_of_a_saved_target(tmp), tokenizer=other_tokenizer()), ValueError, "tokenizer fingerprint: drafter trained with"),
     ("lookup min_match past its n-gram size", lambda t: LookupFirstDrafter(NgramDrafter(), min_match=9), ValueError, "min_match must be in 1..3"),
     # ---- prompts
     ("input_ids as a list", lambda t: gen(t, ids=[[5, 9]], max_new_tokens=4), TypeError, "input_ids must be a LongTensor"),
