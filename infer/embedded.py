@@ -204,9 +204,10 @@ def resolve_target(name_or_path: str | os.PathLike, **hf_kwargs) -> tuple[PreTra
         if not Path(folder).is_dir():
             raise
         # transformers' own words speak of backend and slow tokenizers, not of the folder that lacks one
-        raise ValueError(f"the target folder {str(folder)!r} holds no tokenizer that transformers can load "
-                         f"({str(err).splitlines()[0]}); save the target's tokenizer beside it "
-                         "(tokenizer.save_pretrained(folder)), or copy its tokenizer files there") from err
+        raise ValueError(f"the target folder {str(folder)!r} holds no tokenizer that transformers can load (no "
+                         "readable tokenizer.json, tokenizer_config.json or tokenizer.model; transformers' own words "
+                         "are above); save the target's tokenizer beside it (tokenizer.save_pretrained(folder)), or "
+                         "copy its tokenizer files there") from err
     if embedded_target:
         # As from_pretrained records a hub id, record the short name rather than this machine's cache path,
         # so drafters trained on it name a target that resolves anywhere.
