@@ -42,7 +42,7 @@ from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
 from .kv import VERIFY_ROOM, KVState, forward_block, prompt_tree, verify_bucket
 from .options import Plan
-from .request import NOT_GIVEN, Settings, check_inputs, resolve_settings, with_keywords
+from .request import NOT_GIVEN, Settings, check_generator, check_inputs, resolve_settings, with_keywords
 from .sampling import NOT_A_DISTRIBUTION, logits_to_probs, next_token
 from .target import generation_mode, max_positions
 from .tree import MALFORMED, DraftTree
@@ -202,8 +202,7 @@ class Engine:
         `target.generate`'s, and requests for more than the token ids (`output_scores`, `return_dict_in_generate`,
         ...) or for `max_time`, are refused by name.
         """
-        if generator is not None and not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+        check_generator(generator, self.target.device)
         if streamer is not None and not (callable(getattr(streamer, "put", None))
                                          and callable(getattr(streamer, "end", None))):
             raise TypeError("streamer must have put() and end() methods, like transformers' TextStreamer")

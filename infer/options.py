@@ -45,8 +45,9 @@ class EngineOptions:
     room for prompt + max_new_tokens, rounded up to 256 slots but never past the target's context, and kept for
     later calls of the same batch size while they fit; an int, at most the context: that many tokens of prompt
     plus output, and a longer request is refused before any work), with `infer.kv.VERIFY_ROOM` more slots for
-    the block being verified; verify blocks are padded to `infer.engine.VERIFY_BUCKETS` node counts, so the
-    verify forward has a few fixed shapes. The cache stays allocated between calls (`free_cache()` drops it).
+    the block being verified; verify blocks are padded to `infer.kv.VERIFY_BUCKETS` node counts, so the
+    verify forward has a few fixed shapes. The cache stays allocated between calls (`free_cache()` drops it). None
+    (the default): on for a target on one CUDA device, where the captured step needs it; off elsewhere.
 
     `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or "calibrated":
     the tree that maximizes predicted tokens/s on this machine, from the acceptance statistics
@@ -97,7 +98,7 @@ class EngineOptions:
     cpu_prepack: bool | None = None
     lookup_first: bool | None = None
     compile: bool = False
-    static_cache: bool | int = False
+    static_cache: bool | int | None = None
     tree: dict | str | None = None
     step_observer: Callable | None = None
     lean_verify: bool | None = None
@@ -114,9 +115,9 @@ class EngineOptions:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None, got {getattr(self, name)!r}")
         static = self.static_cache
-        if not isinstance(static, (bool, int)) or (type(static) is int and static < 1):
-            raise ValueError(f"static_cache must be True, False or a number of tokens >= 1, got {static!r}")
-        if self.captured_step and not self.static_cache:
+        if static is not None and (not isinstance(static, (bool, int)) or (type(static) is int and static < 1)):
+            raise ValueError(f"static_cache must be True, False, None or a number of tokens >= 1, got {static!r}")
+        if self.captured_step and self.static_cache is False:
             raise ValueError("captured_step=True needs static_cache (True or a number of tokens): graphs are captured "
                              "over the preallocated cache")
         if self.captured_step and self.compile:

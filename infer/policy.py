@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from .calibrate import calibrated_tree, predict_batch
 from .options import EngineOptions, Plan
-from .tuning.plan import check_drafter, check_target, plan, prepack_for
+from .tuning.plan import check_drafter, check_target, plan, prepack_for, target_devices
 
 # A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are
 # estimates good to about 10% (docs/calibration.md), and where the two are that close no drafts loses little; at two
@@ -37,17 +37,22 @@ def settle(target, drafter, options: EngineOptions) -> Plan:
     if options.draft_batches is None and hasattr(drafter, "as_drafter") and calibration and calibration.get("measured"):
         drafted = drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})  # the tree it drafts
         settled = replace(settled, batch_drafting=BatchDrafting(target, drafter, drafted, prepack))
-    return replace(settled, captured_step=captured_step(target, options))
+    return replace(settled, captured_step=captured_step(target, settled.options))
 
 
 def captured_step(target, options: EngineOptions) -> bool:
-    """Whether the step runs captured (`EngineOptions.captured_step`): as asked, else on a CUDA target with a static
-    cache and no `compile` (whose own CUDA graphs would capture the verify forward), where launches and host reads,
-    not the weights' bytes, bound a step's time."""
+    """Whether the step runs captured (`EngineOptions.captured_step`): as asked, else on a target on one CUDA device
+    with a static cache and no `compile` (whose own CUDA graphs would capture the verify forward), where launches and
+    host reads, not the weights' bytes, bound a step's time. A graph replays one device's work: a target spread over
+    devices, or offloaded, is not captured (asking for it is refused)."""
+    devices = target_devices(target)
     if options.captured_step is not None:
+        if options.captured_step and len(devices) > 1:
+            raise ValueError(f"captured_step=True: the target's weights lie on {sorted(map(str, devices))}, and a CUDA "
+                             "graph replays one device's work; load the target on one GPU, or pass captured_step=False")
         return options.captured_step
-    device = next(target.parameters()).device
-    return bool(options.static_cache) and not options.compile and device.type == "cuda"
+    return (bool(options.static_cache) and not options.compile and len(devices) == 1
+            and next(iter(devices)).type == "cuda")
 
 
 class BatchDrafting:

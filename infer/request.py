@@ -97,6 +97,18 @@ def resolve_settings(target, typical_acceptance: bool, max_new_tokens, do_sample
     return Settings(sampling, max_new, set(eos), int(pad), typical, min_new, suppress, begin)
 
 
+def check_generator(generator, device: torch.device) -> None:
+    """A seeded call's generator: a torch.Generator on the target's device type (draws are made where the logits
+    are; torch refuses a CPU generator for a CUDA tensor deep inside a step, so it is refused here, with the fix)."""
+    if generator is None:
+        return
+    if not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if generator.device.type != torch.device(device).type:
+        raise ValueError(f"generator is on {generator.device} and the target on {device}: sampling draws where the "
+                         f"logits are, so pass torch.Generator(device={str(device)!r}).manual_seed(seed)")
+
+
 def check_inputs(target, input_ids, attention_mask, streamer) -> tuple[torch.Tensor, torch.Tensor]:
     """input_ids as [B, T] on the target's device with a left-padded 0/1 attention mask, or an error naming the fault."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dtype != torch.long:

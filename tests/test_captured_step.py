@@ -194,7 +194,7 @@ def test_the_nucleus_without_a_read_is_the_one_from_the_head(top_p):
 
 def test_captured_step_options_are_checked_and_settled():
     with pytest.raises(ValueError, match="captured_step=True needs static_cache"):
-        EngineOptions(captured_step=True)
+        EngineOptions(captured_step=True, static_cache=False)
     with pytest.raises(ValueError, match="both capture the verify forward"):
         EngineOptions(captured_step=True, static_cache=True, compile=True)
     with pytest.raises(ValueError, match="captured_step must be True, False or None"):
@@ -265,3 +265,43 @@ def test_captured_step_bf16_mismatch_rate_on_a_gpu(record_property):
         differ += not torch.equal(model.generate(ids, max_new_tokens=32), expected)
     record_property("bf16_prompts_differing", f"{differ}/8")
     print(f"bf16 captured step: {differ}/8 prompts differ from transformers' greedy")
+
+
+def test_the_captured_static_path_is_the_default_on_one_cuda_device_only(monkeypatch):
+    """Settled without a GPU: the policy reads the devices the weights lie on (`target_devices`), stood in for here."""
+    from dataclasses import replace
+
+    from infer import policy
+    from infer.options import EngineOptions
+    from infer.tuning import plan
+
+    target = tiny_model("llama")
+    def on(*names):
+        for module in (plan, policy):
+            monkeypatch.setattr(module, "target_devices", lambda t: {torch.device(n) for n in names})
+
+    options = EngineOptions()
+    assert options.static_cache is None
+    on("cuda:0")
+    assert plan.static_cache_for(target, options) is True
+    assert policy.captured_step(target, replace(options, static_cache=True))
+    assert not policy.captured_step(target, replace(options, static_cache=True, compile=True))
+    assert plan.static_cache_for(target, replace(options, static_cache=False)) is False  # as asked
+    for spread in (("cuda:0", "cuda:1"), ("cuda:0", "cpu")):  # split, or offloaded by accelerate's device_map
+        on(*spread)
+        assert plan.static_cache_for(target, options) is False
+        assert not policy.captured_step(target, replace(options, static_cache=True))
+        with pytest.raises(ValueError, match="a CUDA graph replays one device's work"):
+            policy.captured_step(target, replace(options, static_cache=True, captured_step=True))
+    on("cpu")
+    assert plan.static_cache_for(target, options) is False and not policy.captured_step(target, options)
+    assert plan.static_cache_for(target, replace(options, captured_step=True)) is True  # what capture needs
+
+
+def test_an_offloaded_target_counts_its_offload_device():
+    from infer.tuning.plan import target_devices
+
+    target = tiny_model("llama")
+    assert target_devices(target) == {torch.device("cpu")}
+    target.hf_device_map = {"model.layers.0": 0, "model.layers.1": "disk"}
+    assert torch.device("cpu") in target_devices(target)

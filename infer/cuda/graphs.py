@@ -107,6 +107,10 @@ class StepGraphs:
         """Warm up on a side stream, then capture one forward. Both advance the layers' write counters and write
         the block's slots, which are uncommitted: the counters are put back, and the replay that follows writes
         the slots anew."""
+        with torch.cuda.device(self._orig_mod.device):  # the target's device, not the current one (cuda:1 ...)
+            self._capture(graph, attention_mask, cache, name, plain)
+
+    def _capture(self, graph: _Graph, attention_mask, cache, name: str, plain: dict) -> None:
         counters = [layer.cumulative_length for layer in cache.layers if hasattr(layer, "cumulative_length")]
         saved = [c.clone() for c in counters]
         stream = torch.cuda.Stream()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +33,7 @@ def check_target(target, options: EngineOptions) -> None:
         raise TypeError(f"target must be a transformers causal LM, got {type(target).__name__}")
     max_len = max_positions(target.config)
     static = options.static_cache
-    if static is not True and max_len and static > max_len:
+    if static not in (True, None) and max_len and static > max_len:
         raise ValueError(f"static_cache={static} tokens is more than the target's context of {max_len} "
                          f"positions can use: pass at most {max_len}, or True (sized per call)")
     check_maskable(target)
@@ -101,12 +102,31 @@ def plan(target, drafter, options: EngineOptions, prepack: bool, tree: dict | st
     """The plan for `drafter` drafting `tree` (a trained drafter's settings, chosen already) on a checked target:
     the streamed kernel's rows and the lean verify forward where `prepack` and the options allow them. Calls of
     several rows draft unless `draft_batches=False` (predicting it is `infer.policy`'s)."""
+    options = replace(options, static_cache=static_cache_for(target, options))
     drafting = as_drafter(drafter, target, options.tokenizer, options.lookup_first, tree)
     rows = stream_rows(target) if prepack else 0
     lean = options.lean_verify is not False and _lean_problem(target, options, prepack) is None
     return Plan(options, drafting, prepack, rows, lean,
                 drafter_stream_rows=rows if options.lean_verify is not False and prepack else None,
                 batch_drafting=_never_several_rows if options.draft_batches is False else None)
+
+
+def target_devices(target) -> set[torch.device]:
+    """The devices the target's weights lie on (several where accelerate's device_map spreads or offloads it)."""
+    devices = {p.device for p in target.parameters()}
+    offloaded = {d for d in (getattr(target, "hf_device_map", None) or {}).values() if d in ("cpu", "disk")}
+    return devices | {torch.device("cpu") for _ in offloaded}
+
+
+def static_cache_for(target, options: EngineOptions) -> bool | int:
+    """`static_cache` as asked, or (None) on for a target whose weights lie on one CUDA device: the captured step,
+    the fast path there, runs over the preallocated cache; a CPU's growing cache costs it nothing."""
+    if options.static_cache is not None:
+        return options.static_cache
+    if options.captured_step:
+        return True  # the captured step runs over the preallocated cache
+    devices = target_devices(target)
+    return len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 def _lean_problem(target, options: EngineOptions, prepack: bool) -> str | None:
