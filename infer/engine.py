@@ -141,6 +141,7 @@ class Engine:
         self._cache: KVState | None = None  # the static KV cache, kept for the next call of the same shape
         # the drafter that runs forwards of its own (lookup-first wraps one)
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
+        self._own = own
         if options.compile:
             self._compile(own)
         self.captured_step = plan.captured_step
@@ -179,8 +180,14 @@ class Engine:
             yield (lean if lean is not None else self.target), name
 
     def free_cache(self) -> None:
-        """Drop the static KV cache kept between calls (the next call allocates a new one)."""
+        """Drop the static KV cache kept between calls (the next call allocates a new one), and with it what holds its
+        memory: the captured graphs over it (their kept inputs and outputs) and the drafter's captured forwards and
+        static cache."""
         self._cache = None
+        if isinstance(self._verify_forward, cuda.StepGraphs):
+            self._verify_forward.release()
+        if self.captured_step:
+            self._own.capture_forwards(cuda.StepGraphs)  # a fresh seam: the drafter's graphs and cache go
 
     # ---------------------------------------------------------------- generate
     @torch.inference_mode()

@@ -305,3 +305,21 @@ def test_an_offloaded_target_counts_its_offload_device():
     assert target_devices(target) == {torch.device("cpu")}
     target.hf_device_map = {"model.layers.0": 0, "model.layers.1": "disk"}
     assert torch.device("cpu") in target_devices(target)
+
+
+def test_free_cache_frees_the_kv_memory_the_graphs_held():
+    """A replay's output holds the cache it wrote (the model output's past_key_values): free_cache drops the graphs
+    and the drafter's captured forwards with the cache, so the KV buffers are freed."""
+    import gc
+    import weakref
+
+    target = tiny_model("llama")
+    model = captured(target, heads.build("eagle3", target))
+    ids, mask = left_pad(prompts(2))
+    first = model.generate(ids, attention_mask=mask, max_new_tokens=12)
+    keys = weakref.ref(model._cache.cache.layers[0].keys)
+    drafter_cache = weakref.ref(model.drafter._static_kv)
+    model.free_cache()
+    gc.collect()
+    assert keys() is None and drafter_cache() is None
+    assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12), first)  # a fresh cache and seam

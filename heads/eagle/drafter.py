@@ -100,7 +100,7 @@ class EagleDrafter(HeadDrafter):
         on a GPU) instead of the model or its lean forward (a CPU's, which a capture would not take); `make` None:
         the growing cache and the model's own forwards again (an engine without the captured step)."""
         self._captured = None if make is None else make(self.model)
-        self._static_kv = None
+        self._static_kv = self.kv = None  # the last call's cache goes with its graphs (bind makes the next one's)
         if make is not None:
             self._lean_rows = None
 

@@ -63,6 +63,13 @@ class StepGraphs:
     def dtype(self) -> torch.dtype:
         return self._orig_mod.dtype
 
+    def release(self) -> None:
+        """Forget every graph, its kept buffers and outputs, and the memory pool: what they held is freed once
+        nothing else holds it (the engine's `free_cache`)."""
+        self._graphs.clear()
+        self._cache_key = None
+        self._pool = None
+
     def __call__(self, *args, attention_mask, **inputs):
         # args: positional tensors [B, S, ...]; attention_mask: [B, 1, S, capacity] or one per layer type; inputs:
         # the cache (under the model's keyword), tensor keywords (input_ids, position_ids [B, S], cache_position
