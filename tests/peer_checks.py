@@ -6,7 +6,9 @@ tests/test_interop_peers.py to compare with selfspec's. Nothing here imports sel
 
 jobs.json lists the checks to run in this one process (importing the peers takes most of the time), each
 {"check": "speculators", "checkpoint", "inputs", "out"} or {"check": "specforge", "checkpoint", "target", "inputs",
-"out"}. An inputs file holds `features` [1, T, 3D] (the target layers concatenated in ascending order, as vLLM and
+"out"}, or {"check": "eagle1" | "medusa" | "dflash", "checkpoint", "target", "inputs", "out"} (the EAGLE authors',
+FasterDecoding's and z-lab's own model code from PyPI: eagle-llm 1.2.1, medusa-llm 0.1, dflash 0.1.0). An inputs
+file holds `features` [1, T, 3D] (the target layers concatenated in ascending order, as vLLM and
 SGLang capture them), `input_ids` [1, T] (token t + 1 at position t) and `steps` (training-time-test steps: step s
 reads token t + 1 + s at position t with the previous step's output hidden state, attending to the prompt up to t
 and its own earlier steps, as a draft chain does). Each out file gets `logits` [steps, T, draft vocab] and what was
@@ -68,6 +70,82 @@ def specforge_logits(checkpoint: str, target: str, inputs: dict) -> dict:
     return {"logits": torch.stack(logits), "class": type(model).__name__, "missing": list(report.missing_keys)}
 
 
+def eagle1_chain(checkpoint: str, target_dir: str, inputs: dict) -> dict:
+    """The EAGLE authors' EAGLE-1/2 model (PyPI eagle-llm 1.2.1, `eagle.model.cnets.Model`, what its `EaModel`
+    builds: fc's bias as the config's `bias`, default true), its state loaded as `EaModel` loads it (strict=False, the
+    keys it matched recorded), over the prompt and then a greedy chain fed back through its own KV cache, the
+    target's lm_head on its output as their drafting does. That release rotates at base 10000 whatever the config's
+    rope_theta and has no q/k/v biases (their repository's cnets1.py reads both since): only their Vicuna-layout
+    drafters compute the same in it."""
+    import json
+
+    from eagle.model.cnets import Model
+    from eagle.model.configs import EConfig
+    from transformers import AutoModelForCausalLM
+
+    bias = json.loads(open(f"{checkpoint}/config.json", encoding="utf-8").read()).get("bias", True)
+    config = EConfig.from_pretrained(checkpoint)
+    # transformers 5 reads a config without RoPE scaling as {"rope_type": "default", ...}, where the transformers 4 their
+    # code was written for read None: give it what it reads (it rotates at base 10000 either way)
+    if (config.rope_scaling or {}).get("rope_type") == "default":
+        config.rope_scaling = None
+    model = Model(config, bias=bias).float().eval()
+    result = model.load_state_dict(torch.load(f"{checkpoint}/pytorch_model.bin"), strict=False)
+    head = AutoModelForCausalLM.from_pretrained(target_dir).lm_head
+    chain = []
+    with torch.no_grad():
+        out, cache = model(inputs["features"], input_ids=inputs["input_ids"], use_cache=True)
+        for _ in range(inputs["steps"]):
+            chain.append(int(head(out[:, -1]).argmax()))
+            out, cache = model(out[:, -1:], input_ids=torch.tensor([chain[-1:]]), past_key_values=cache,
+                               use_cache=True)
+    return {"chain": chain, "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+def medusa_logits(checkpoint: str, target_dir: str, inputs: dict) -> dict:
+    """FasterDecoding's Medusa heads (PyPI medusa-llm 0.1, `medusa.model.medusa_model.MedusaModel` over the target, as
+    its `from_pretrained` builds them from the config), `medusa_lm_head.pt` loaded as it loads it (strict=False, the
+    keys it matched recorded), then its forward: each head's logits from the target's last hidden state."""
+    from medusa.model.medusa_model import MedusaConfig, MedusaModel
+    from transformers import AutoModelForCausalLM
+
+    config = MedusaConfig.from_pretrained(checkpoint)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    model = MedusaModel(target, config.medusa_num_heads, config.medusa_num_layers, target_dir)
+    result = model.medusa_head.load_state_dict(torch.load(f"{checkpoint}/medusa_lm_head.pt"), strict=False)
+    with torch.no_grad():
+        logits = model(input_ids=inputs["prompt"])
+    return {"logits": logits[:, 0], "missing": list(result.missing_keys), "unexpected": list(result.unexpected_keys)}
+
+
+def dflash_block(checkpoint: str, target_dir: str, inputs: dict) -> dict:
+    """z-lab's DFlash model (PyPI dflash 0.1.0, `dflash.model.DFlashDraftModel`, built from the checkpoint's config and
+    its state loaded strictly) drafting the first block after the prompt as its `dflash_generate` does, with its own
+    helpers: the context features (`extract_context_feature`), the block [root, mask_token_id, ...] embedded by
+    `_raw_input_embeddings`, its forward at positions 0..T+block-1, `compute_logits` through the target's head. (Its
+    loop itself needs a transformers newer than the peers' 5.8.1: `DynamicCache.activate_past_recording`.)"""
+    from dflash.model import DFlashDraftModel, _output_head, _raw_input_embeddings, extract_context_feature
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model = DFlashDraftModel(AutoConfig.from_pretrained(checkpoint)).float().eval()
+    model.load_state_dict(load_file(f"{checkpoint}/model.safetensors"), strict=True)
+    target = AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    prompt, size = inputs["prompt"], model.block_size
+    with torch.no_grad():
+        out = target(prompt, output_hidden_states=True)
+        block = torch.full((1, size), model.mask_token_id)
+        block[0, 0] = out.logits[0, -1].argmax()
+        context = extract_context_feature(out.hidden_states, model.target_layer_ids)
+        hidden = model(target_hidden=context, noise_embedding=_raw_input_embeddings(target, block),
+                       position_ids=torch.arange(prompt.shape[1] + size)[None])[:, 1 - size:, :]
+        drafted = model.compute_logits(hidden, _output_head(target)).argmax(-1)[0]
+    return {"first_block": drafted.tolist(), "layers": list(model.target_layer_ids)}
+
+
+CHECKS = {"eagle1": eagle1_chain, "medusa": medusa_logits, "dflash": dflash_block}
+
+
 def main(argv: list[str]) -> None:
     import json
 
@@ -77,6 +155,8 @@ def main(argv: list[str]) -> None:
             out = speculators_logits(job["checkpoint"], inputs)
         elif job["check"] == "specforge":
             out = specforge_logits(job["checkpoint"], job["target"], inputs)
+        elif job["check"] in CHECKS:
+            out = CHECKS[job["check"]](job["checkpoint"], job["target"], inputs)
         else:
             raise SystemExit(f"unknown check {job['check']!r}; see the docstring")
         torch.save(out, job["out"])

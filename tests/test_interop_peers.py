@@ -11,7 +11,14 @@ on tiny models (seconds each):
 - every SGLang export warm-starts SpecForge's EAGLE-3 training model (`AutoDraftModel.from_config`, then its
   `warm_start_draft_model`, which refuses unexpected or missing tensors) and its steps give our logits;
 - `speculators convert` of an EAGLE authors' EAGLE-3 folder imports into selfspec and drafts what their checkpoint
-  drafts, with generation exact.
+  drafts, with generation exact;
+- the EAGLE authors' EAGLE-1/2 model (eagle-llm 1.2.1), FasterDecoding's Medusa heads (medusa-llm 0.1) and z-lab's
+  DFlash model (dflash 0.1.0), which `make peers` installs beside them, load the fixtures of tests/
+  foreign_checkpoints.py as their own loaders do and draft what selfspec drafts from them (z-lab's first block
+  through its generation loop's own helpers). eagle-llm 1.2.1 predates EAGLE-3 and rotates at base 10000 without q/k/v biases, so the EAGLE-3
+  fixtures and the EAGLE-1 layouts with rope_theta or qkv_bias (EAGLE-LLaMA3-Instruct-8B's, their Qwen2 drafters')
+  follow their repository's source (SafeAILab/EAGLE eagle/model/cnets.py and cnets1.py at commit cb7e084), as
+  tests/test_import_formats.py computes them; its Vicuna layout runs here.
 """
 
 from __future__ import annotations
@@ -22,7 +29,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from foreign_checkpoints import write_eagle_authors, write_speculators_defaults
+from foreign_checkpoints import (
+    write_dflash_zlab,
+    write_eagle1_authors,
+    write_eagle_authors,
+    write_medusa_fd,
+    write_speculators_defaults,
+)
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import heads
@@ -48,11 +61,17 @@ def peers() -> Path:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory) -> Path:
-    """The 8-layer tiny Llama saved as a folder: the peers read the verifier's config and embedding from it."""
+    """The 8-layer tiny Llama saved as a folder with a word-level tokenizer of its vocabulary: the peers read the
+    verifier's config and embedding from it (and Medusa's model its tokenizer)."""
     from foreign_checkpoints import target_model
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     folder = tmp_path_factory.mktemp("peers") / "target"
-    target_model().save_pretrained(folder)
+    model = target_model()
+    model.save_pretrained(folder)
+    vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(folder)
     return folder
 
 
@@ -185,3 +204,55 @@ def test_speculators_convert_of_an_eagle_authors_folder_imports_and_runs_exact(p
     expected = target.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
     spec = SelfSpecModel.from_pretrained(str(converted), target=target)
     assert torch.equal(spec.generate(PROMPT, max_new_tokens=24, eos_token_id=[]), expected)
+
+
+def first_tree(drafter, target, **tree):
+    """Our drafter's first proposal below the prompt's root."""
+    from infer.drafting import TargetStep
+    from infer.sampling import SamplingParams
+
+    proposer = drafter.as_drafter(**tree)
+    proposer.bind(target, SamplingParams(), batch_size=1)
+    with torch.no_grad():
+        out = target(PROMPT, output_hidden_states=True)
+        root = out.logits[0, -1].argmax()
+        proposer.observe(TargetStep(tokens=PROMPT, valid=torch.ones_like(PROMPT, dtype=torch.bool),
+                                    hidden=tuple(out.hidden_states[i] for i in proposer.feature_layers),
+                                    next_tokens=root[None]))
+        return proposer, proposer.propose(torch.tensor([16]))
+
+
+def test_the_authors_model_code_loads_our_fixtures_and_drafts_what_we_draft(peers, target, target_dir, tmp_path):
+    """eagle-llm's EAGLE-1/2 model in each published layout, medusa-llm's heads, z-lab's DFlash model and loop."""
+    with torch.no_grad():
+        out = target(PROMPT, output_hidden_states=True)
+    ids = torch.cat([PROMPT[:, 1:], out.logits[:, -1:].argmax(-1)], dim=1)
+    torch.save({"features": out.hidden_states[-1], "input_ids": ids, "steps": STEPS, "prompt": PROMPT},
+               tmp_path / "inputs.pt")
+    layouts = ("vicuna",)  # eagle-llm 1.2.1 reads neither rope_theta nor qkv_bias (peer_checks.eagle1_chain)
+    for layout in layouts:
+        write_eagle1_authors(tmp_path / f"eagle1_{layout}", target, layout=layout)
+    write_medusa_fd(tmp_path / "medusa", target, num_layers=2, pt=True)
+    write_dflash_zlab(tmp_path / "dflash", target)
+    jobs = [{"check": "eagle1", "checkpoint": tmp_path / f"eagle1_{layout}"} for layout in layouts]
+    jobs += [{"check": "medusa", "checkpoint": tmp_path / "medusa"}, {"check": "dflash", "checkpoint": tmp_path / "dflash"}]
+    for i, job in enumerate(jobs):
+        job.update(target=target_dir, inputs=tmp_path / "inputs.pt", out=tmp_path / f"out_{i}.pt")
+    results = peers_run(peers, jobs, tmp_path)
+    for layout, theirs in zip(layouts, results, strict=False):
+        # their loader matches every tensor but the embedding copy, which the target's replaces in both
+        assert theirs["missing"] == [] and theirs["unexpected"] == [], (layout, theirs)
+        ours = heads.load(tmp_path / f"eagle1_{layout}", target=target)
+        _, tree = first_tree(ours, target, top_k=1, depth=STEPS, total_tokens=STEPS)
+        assert tree.tokens[0, 1:STEPS + 1].tolist() == theirs["chain"], layout
+    medusa, dflash = results[-2:]
+    assert medusa["missing"] == [] and medusa["unexpected"] == []
+    ours = heads.load(tmp_path / "medusa", target=target).attach(target)
+    with torch.no_grad():
+        our_logits = ours(out.hidden_states[-1])
+    torch.testing.assert_close(torch.stack(list(our_logits))[:, 0] if isinstance(our_logits, (list, tuple))
+                               else our_logits[:, 0], medusa["logits"], rtol=1e-4, atol=1e-4)
+    ours = heads.load(tmp_path / "dflash", target=target)
+    assert sorted(i - 1 for i in ours.feature_layers) == sorted(dflash["layers"])
+    _, tree = first_tree(ours, target)
+    assert tree.tokens[0, 1:].tolist() == dflash["first_block"]
