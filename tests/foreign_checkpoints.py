@@ -291,3 +291,92 @@ def write_dflash_zlab(folder, target, block_size: int = 4, num_layers: int = 2, 
 WRITERS = {"eagle_authors": write_eagle_authors, "eagle1_authors": write_eagle1_authors,
            "specforge": write_specforge, "speculators": write_speculators,
            "medusa_fd": write_medusa_fd, "dflash_zlab": write_dflash_zlab}
+
+
+# ---- published checkpoints' layouts: their config keys and tensor names, at the tiny target's sizes ------------------
+
+LLAMA31_ROPE = {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192,
+                "rope_type": "llama3"}
+
+
+def _edit_config(folder, **changes) -> None:
+    path = Path(folder) / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        elif isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key].update(value)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config, indent=2))
+
+
+def _drop_tensors(folder, name: str, *keys) -> None:
+    from safetensors.torch import load_file
+
+    path = Path(folder) / name
+    state = load_file(path)
+    for key in keys:
+        state.pop(key, None)
+    save_file(state, path, metadata={"format": "pt"})
+
+
+def redhat_speculators_eagle3(folder, target):
+    """RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3 (speculators 0.1-0.2 dev): norm_before_residual, Llama 3.1's
+    llama3 RoPE scaling at theta 500000, head_dim and pretraining_tp in transformer_layer_config, no
+    eagle_aux_hidden_state_layer_ids (vLLM's default layers then), no norm_before_fc/fc_norm/norm_output keys, bf16,
+    no embed_tokens saved."""
+    write_speculators(folder, target)
+    c = target.config
+    layer = {"head_dim": c.hidden_size // c.num_attention_heads, "pretraining_tp": 1, "rope_theta": 500000.0,
+             "rope_scaling": LLAMA31_ROPE, "max_position_embeddings": 131072, "attention_bias": False,
+             "mlp_bias": False, "model_type": "llama", "torch_dtype": "bfloat16"}
+    _edit_config(folder, speculators_version="0.2.0.dev11", eagle_aux_hidden_state_layer_ids=None,
+                 norm_before_fc=None, fc_norm=None, norm_output=None, embed_requires_grad=None,
+                 auto_map={"": "eagle3.Eagle3SpeculatorConfig"}, has_no_defaults_at_init=False, torch_dtype="bfloat16",
+                 transformer_layer_config=layer)
+    _drop_tensors(folder, "model.safetensors", "embed_tokens.weight")
+
+
+def yuhuili_eagle3_llama31(folder, target):
+    """yuhuili/EAGLE3-LLaMA3.1-Instruct-8B: the EAGLE authors' EAGLE-3 config with Llama 3.1's RoPE (theta 500000,
+    llama3 scaling) and pytorch_model.bin."""
+    write_eagle_authors(folder, target)
+    _edit_config(folder, rope_theta=500000.0, rope_scaling=LLAMA31_ROPE, bos_token_id=128000, eos_token_id=128001)
+
+
+def yuhuili_eagle_llama3(folder, target):
+    """yuhuili/EAGLE-LLaMA3-Instruct-8B: EAGLE-1/2, `bias: false`, rope_theta 500000 (write_eagle1_authors' llama3)."""
+    write_eagle1_authors(folder, target, layout="llama3")
+
+
+def lmsys_specforge_eagle3(folder, target):
+    """An lmsys SpecForge EAGLE-3 for Llama 3.1 (SpecForge's configs/llama3-8B-eagle3.json, as its to_hf export saves
+    it): LlamaForCausalLMEagle3, no eagle_config (SGLang's default layers then), Llama 3.1's RoPE, model.safetensors
+    without the embedding."""
+    write_specforge(folder, target, aux_layer_ids=None)
+    _edit_config(folder, rope_scaling=LLAMA31_ROPE, torch_dtype="float16", pad_token_id=0)
+    _drop_tensors(folder, "model.safetensors", "embed_tokens.weight")
+
+
+def fasterdecoding_medusa_vicuna(folder, target):
+    """FasterDecoding/medusa-vicuna-7b-v1.3: five one-block heads in medusa_lm_head.pt, base_model_name_or_path
+    lmsys/vicuna-7b-v1.3."""
+    write_medusa_fd(folder, target, num_heads=5, num_layers=1, pt=True)
+
+
+def zlab_dflash_qwen3(folder, target):
+    """z-lab/Qwen3-8B-DFlash-b16: five Qwen3 layers, blocks of 16, dflash_config's target_layer_ids spread over the
+    target (z-lab's rule for five drafter layers of an 8-layer target), layer_types all full attention."""
+    write_dflash_zlab(folder, target, block_size=16, num_layers=5, target_layer_ids=(1, 2, 3, 4, 5), mask_token_id=95)
+    _edit_config(folder, layer_types=["full_attention"] * 5, use_sliding_window=False, sliding_window=None,
+                 max_window_layers=5)
+
+
+PUBLISHED = {"RedHatAI/Llama-3.1-8B-Instruct-speculator.eagle3": (redhat_speculators_eagle3, "speculators"),
+             "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B": (yuhuili_eagle3_llama31, "eagle_authors"),
+             "yuhuili/EAGLE-LLaMA3-Instruct-8B": (yuhuili_eagle_llama3, "eagle1_authors"),
+             "lmsys SpecForge EAGLE-3 (Llama 3.1)": (lmsys_specforge_eagle3, "specforge"),
+             "FasterDecoding/medusa-vicuna-7b-v1.3": (fasterdecoding_medusa_vicuna, "medusa_fd"),
+             "z-lab/Qwen3-8B-DFlash-b16": (zlab_dflash_qwen3, "dflash_zlab")}

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from foreign_checkpoints import (
     FORMATS,
+    PUBLISHED,
     WRITERS,
     target_model,
     write_dflash_zlab,
@@ -525,6 +526,23 @@ def _one_layer_llama(folder, t):
     model.config.architectures = ["LlamaForCausalLM"]
     model.config.save_pretrained(folder)
     torch.save(model.state_dict(), folder / "pytorch_model.bin")
+
+
+# ---- published checkpoints' layouts (issue 56) -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_layouts_import_and_stay_exact(name, tmp_path):
+    """Each published checkpoint's config keys and tensor names at the tiny target's sizes: recognised as its format,
+    loaded, and greedy generation identical to the target's."""
+    t = target()
+    write, fmt = PUBLISHED[name]
+    write(tmp_path, t)
+    assert heads.imported_format(tmp_path).name == fmt
+    heads.load(tmp_path, target=t)
+    expected = t.generate(PROMPT, do_sample=False, max_new_tokens=24, eos_token_id=None, pad_token_id=0)
+    spec = SelfSpecModel.from_pretrained(str(tmp_path), target=t)
+    assert torch.equal(spec.generate(PROMPT, max_new_tokens=24, eos_token_id=[]), expected)
 
 
 # ---- bad input: refused by name before any generation ------------------------------------------------------------
