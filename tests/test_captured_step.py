@@ -18,6 +18,7 @@ import heads
 import infer.engine
 from infer import SelfSpecModel
 from infer.cuda import StepGraphs
+from infer.cuda.graphs import _pointers
 from infer.kv import VERIFY_BUCKETS
 from infer.options import EngineOptions
 from infer.policy import captured_step
@@ -323,3 +324,64 @@ def test_free_cache_frees_the_kv_memory_the_graphs_held():
     gc.collect()
     assert keys() is None and drafter_cache() is None
     assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=12), first)  # a fresh cache and seam
+
+
+class PoolStandIn(StepGraphs):
+    """What a shared CUDA graph pool may do, on a CPU: every forward through the seam leaves the outputs of all
+    earlier forwards (any graph's, its own included) overwritten, here with NaN, as a replay may overwrite memory
+    the pool gives another graph's outputs; and each kept graph's inputs stay at the addresses they had when it
+    was made, as a captured graph reads them."""
+
+    poisoned = 0  # outputs overwritten, over all instances: a test that poisoned nothing tested nothing
+
+    def __call__(self, *args, **inputs):
+        for graph in self._graphs.values():
+            for tensor in _output_tensors(graph.output):
+                tensor.fill_(float("nan"))
+                PoolStandIn.poisoned += 1
+            assert getattr(graph, "frozen", None) in (None, _pointers([*graph.args, *graph.inputs.values()]))
+        return super().__call__(*args, **inputs)
+
+    def _forward(self, graph, *rest):
+        graph.output = super()._forward(graph, *rest)
+        graph.frozen = _pointers([*graph.args, *graph.inputs.values()])
+        return graph.output
+
+
+def _output_tensors(output) -> list[torch.Tensor]:
+    """The logits and hidden states of a model output (never its cache, which the step commits from)."""
+    if output is None:
+        return []
+    found = [output.logits] if getattr(output, "logits", None) is not None else []
+    for name in ("hidden_states", "last_hidden_state"):
+        value = getattr(output, name, None)
+        found += [value] if isinstance(value, torch.Tensor) else list(value or ())
+    return [t for t in found if t.is_floating_point()]
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("drafter", list(CAPTURED_DRAFTERS))
+def test_the_step_never_reads_an_output_a_later_forward_may_have_overwritten(drafter, batch, monkeypatch):
+    monkeypatch.setattr(infer.cuda, "StepGraphs", PoolStandIn)
+    target = tiny_model("llama")
+    ids, mask = left_pad(prompts(batch))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    model = captured(target, CAPTURED_DRAFTERS[drafter](target))
+    assert isinstance(model._verify_forward, PoolStandIn)
+    before = PoolStandIn.poisoned
+    for _ in range(2):
+        assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=24), expected)
+    assert PoolStandIn.poisoned > before
+
+
+def test_the_pool_stand_in_overwrites_what_an_earlier_forward_returned():
+    """The stand-in bites: an output kept past the next forward through the seam reads NaN."""
+    target = tiny_model("llama")
+    model = captured(target, "none")
+    model._verify_forward = seam = PoolStandIn(target)
+    ids = torch.tensor([[5, 9, 14]])
+    model.generate(ids, max_new_tokens=3)
+    kept = next(g.output.logits for g in seam._graphs.values() if g.output is not None)
+    assert not kept.isnan().any()
+    model.generate(ids, max_new_tokens=3)
+    assert kept.isnan().all()
