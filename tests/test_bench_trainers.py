@@ -263,6 +263,32 @@ def test_speculators_drafter_is_its_newest_numbered_checkpoint(tmp_path):
     assert frameworks.last_checkpoint(tmp_path / "none") is None
 
 
+# ---- measurement ------------------------------------------------------------------------------------------------
+def test_every_drafter_is_measured_at_every_tree_and_kept(tmp_path):
+    """tau counts the decoding steps after the prefill; a measurement is read back; an unreadable checkpoint is
+    recorded as an import error, not raised."""
+    import heads
+    from train.bench.trainer_eval import SETTINGS, TREES, measure
+
+    target, tok = tiny_model("llama"), char_tokenizer()
+    heads.build("eagle3", target, tokenizer=tok).save_pretrained(tmp_path / "drafter")
+    sets = {"mt_bench": [torch.tensor([[5, 6, 7, 8]])], "alpaca_heldout": [torch.tensor([[9, 10, 11]])]}
+    out = tmp_path / "tau.json"
+    result = measure(tmp_path / "drafter", target, tok, sets, [torch.tensor([[12, 13, 14]])], 6, out)
+    assert set(result["tau"]) == set(SETTINGS) and result["trees"]["chain7"] == TREES["chain7"]
+    for setting in SETTINGS:
+        for name in sets:
+            r = result["tau"][setting][name]
+            assert r["tokens"] == 5 and 1 <= r["steps"] <= 5 and r["tau"] == pytest.approx(5 / r["steps"], abs=1e-4)
+    out.write_text(out.read_text().replace('"tokens": 5', '"tokens": 5, "kept": true', 1))
+    calibration = [torch.tensor([[12, 13, 14]])]
+    assert "kept" in json.dumps(measure(tmp_path / "drafter", target, tok, sets, calibration, 6, out))
+    assert "kept" not in json.dumps(measure(tmp_path / "drafter", target, tok, sets, calibration, 4, out))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{}")
+    assert "import_error" in measure(tmp_path / "broken", target, tok, sets, [], 6, tmp_path / "broken.json")
+
+
 # ---- the report ----------------------------------------------------------------------------------------------------
 def test_the_report_has_a_row_per_run_and_the_mean_and_spread_per_framework():
     def measured(value):

@@ -61,21 +61,26 @@ def import_drafter(folder: Path, target):
         return None, f"{type(err).__name__}: {err}"
 
 
-def tau(target, drafter, tree: dict, prompts: list[torch.Tensor], max_new_tokens: int, tokenizer=None) -> dict:
-    """Greedy generation of every prompt with `tree`: tau and what it is made of."""
+def tau(target, drafter, tree: dict, sets: dict[str, list[torch.Tensor]], max_new_tokens: int,
+        tokenizer=None) -> dict:
+    """Greedy generation of every prompt of every set with `tree` (one engine, so its set-up is paid once): per
+    set, tau and what it is made of."""
     from infer import SelfSpecModel
 
     model = SelfSpecModel(target, drafter, tree=tree, lookup_first=False, int8_drafter=False, tokenizer=tokenizer)
-    tokens = steps = 0
-    tic = time.perf_counter()
-    with torch.inference_mode():
-        for ids in prompts:
-            model.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
-            stats = model.last_stats
-            tokens += stats["new_tokens"] - 1  # the prefill's token is no decoding step's
-            steps += stats["target_forwards"] - 1
-    return {"tau": round(tokens / steps, 4) if steps else None, "tokens": tokens, "steps": steps,
-            "seconds": round(time.perf_counter() - tic, 1)}
+    out = {}
+    for name, prompts in sets.items():
+        tokens = steps = 0
+        tic = time.perf_counter()
+        with torch.inference_mode():
+            for ids in prompts:
+                model.generate(ids.to(target.device), max_new_tokens=max_new_tokens, do_sample=False)
+                stats = model.last_stats
+                tokens += stats["new_tokens"] - 1  # the prefill's token is no decoding step's
+                steps += stats["target_forwards"] - 1
+        out[name] = {"tau": round(tokens / steps, 4) if steps else None, "tokens": tokens, "steps": steps,
+                     "seconds": round(time.perf_counter() - tic, 1)}
+    return out
 
 
 def calibrated_tree(target, drafter, prompts: list[torch.Tensor], tokenizer=None) -> dict:
@@ -101,7 +106,7 @@ def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]]
         trees = dict(TREES)
         trees[CALIBRATED] = calibrated_tree(target, drafter, calibration, tokenizer)
         result = {"settings": settings, "trees": trees,
-                  "tau": {setting: {name: tau(target, drafter, tree, prompts, max_new_tokens, tokenizer)
-                                    for name, prompts in sets.items()} for setting, tree in trees.items()}}
+                  "tau": {setting: tau(target, drafter, tree, sets, max_new_tokens, tokenizer)
+                          for setting, tree in trees.items()}}
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result

@@ -26,7 +26,7 @@ def run_row(framework: str, seed: int, record: dict | None, measured: dict | Non
             row[f"tau/{setting}/{name}"] = ((measured.get("tau") or {}).get(setting) or {}).get(name, {}).get("tau")
     if "trees" in measured:
         row["calibrated_tree"] = measured["trees"].get("calibrated")
-    row["error"] = record.get("error") or measured.get("import_error")
+    row["error"] = record.get("error") or measured.get("import_error") or measured.get("error")
     return row
 
 

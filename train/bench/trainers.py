@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -161,8 +162,12 @@ def measure_all(args, setup: Setup, target, tokenizer, records: dict) -> dict:
             continue
         drafter = runner(framework, setup, seed).drafter(folder)
         print(f"[measure] {framework} seed {seed}: {drafter}", flush=True)
-        measured[(framework, seed)] = measure(drafter, target, tokenizer, sets, calibration, args.max_new_tokens,
-                                              folder / "tau.json")
+        try:
+            measured[(framework, seed)] = measure(drafter, target, tokenizer, sets, calibration,
+                                                  args.max_new_tokens, folder / "tau.json")
+        except Exception as err:  # noqa: BLE001 (one drafter's failure is reported; the others are still measured)
+            traceback.print_exc()
+            measured[(framework, seed)] = {"error": f"measuring failed: {type(err).__name__}: {err}"}
     return measured
 
 
