@@ -107,7 +107,9 @@ def plan(target, drafter, options: EngineOptions, prepack: bool, tree: dict | st
     rows = stream_rows(target) if prepack else 0
     lean = options.lean_verify is not False and _lean_problem(target, options, prepack) is None
     return Plan(options, drafting, prepack, rows, lean,
-                drafter_stream_rows=rows if options.lean_verify is not False and prepack else None,
+                # the drafter's lean forward takes fp32 features: a bf16 target's (streamed too) would not do
+                drafter_stream_rows=rows if options.lean_verify is not False and prepack
+                and target.dtype == torch.float32 else None,
                 batch_drafting=_never_several_rows if options.draft_batches is False else None)
 
 
