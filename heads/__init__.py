@@ -37,22 +37,23 @@ from .medusa import objective as medusa_objective
 register(Kind(
     name="medusa", title="Medusa-1 heads", config_cls=MedusaConfig, model_cls=MedusaModel,
     objective=medusa_objective.MedusaObjective, eval_depth=medusa_objective.eval_depth, depth_label="head",
-    trains_target_lora=True, exports=(export.VLLM_MEDUSA,),
+    trains_target_lora=True, exports=(export.VLLM_MEDUSA,), imports=(formats.medusa_fd.NAME,),
 ))
 register(Kind(
     name="eagle", title="EAGLE-1/2 drafter", config_cls=EagleConfig, model_cls=EagleModel,
     objective=eagle_objective.EagleObjective, eval_depth=eagle_objective.eval_depth, depth_label="step",
-    unrolled=True,
+    unrolled=True, imports=(formats.eagle1_authors.NAME,),
 ))
 register(Kind(
     name="eagle3", title="EAGLE-3 drafter", config_cls=Eagle3Config, model_cls=Eagle3Model,
     objective=eagle3_objective.Eagle3Objective, eval_depth=eagle_objective.eval_depth, depth_label="step",
-    unrolled=True, prepare=eagle3_objective.prepare, exports=(export.SPECULATORS,),
+    unrolled=True, prepare=eagle3_objective.prepare, exports=(export.SPECULATORS, export.SGLANG),
+    imports=(formats.eagle_authors.NAME, formats.specforge.NAME, formats.speculators.NAME),
 ))
 register(Kind(
     name="dflash", title="DFlash block drafter", config_cls=DFlashConfig, model_cls=DFlashModel,
     objective=dflash_objective.DFlashObjective, eval_depth=dflash_objective.eval_depth, depth_label="pos",
-    exports=(export.DFLASH,),
+    exports=(export.DFLASH,), imports=(formats.dflash_zlab.NAME,),
 ))
 
 

@@ -21,7 +21,7 @@ from .base import check_weights_file
 from .dflash import DFlashModel
 from .eagle3 import Eagle3Config, Eagle3Model
 from .folders import check_writable, file_record, written_whole
-from .kinds import ExportFormat
+from .kinds import REGISTRY, ExportFormat
 from .layers import arch_classes
 from .medusa import MedusaConfig, MedusaModel
 from .weights import WEIGHTS_NAME as WEIGHTS
@@ -88,7 +88,7 @@ def _earlier_export(path: Path, names: list[str]) -> bool:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return False
     return (isinstance(config, dict) and isinstance(config.get("selfspec"), dict)
-            and any(fmt.recognizes(config) for fmt in FORMATS.values()))
+            and any(fmt.recognizes(config) for fmt in export_formats().values()))
 
 
 def _write_folder(out_dir, config: dict, tensors: dict[str, torch.Tensor], pickled: dict | None = None) -> None:
@@ -115,7 +115,7 @@ def _check_kind(model, cls: type, fmt: str) -> None:
     """Refuse, naming the kind's own formats, a drafter of another kind than `fmt` writes."""
     if not isinstance(model, cls):
         kind = getattr(model, "kind", None)
-        own = KIND_FORMATS.get(kind)
+        own = kind_formats(kind)
         hint = (f"its formats: {list(own)} (heads.export.export(drafter, out_dir, format=...))" if own
                 else "it exports to no serving format")
         raise ValueError(f"{fmt} writes {cls.__name__} drafters; this is a {type(model).__name__} (drafter kind "
@@ -614,24 +614,31 @@ def import_sglang(path_or_id, target=None, **hub_kwargs) -> Eagle3Model:
 
 SGLANG = ExportFormat("sglang", "SGLang EAGLE-3 (SpecForge)", export_sglang, import_sglang,
                       recognizes=lambda config: SGLANG_ARCHITECTURE in (config.get("architectures") or []))
-# format name -> format, for `export(model, out_dir, format=...)` and scripts/export.py
-FORMATS = {f.name: f for f in (SPECULATORS, VLLM_MEDUSA, DFLASH, SGLANG)}
-# what each kind exports to, first the one vLLM serves
-KIND_FORMATS = {"eagle3": ("speculators", "sglang"), "medusa": ("vllm",), "dflash": ("dflash",)}
+def export_formats() -> dict[str, ExportFormat]:
+    """Format name -> format, over every registered kind's `exports` (heads.kinds: the one registry of what a kind
+    exports to and imports from), for `export(model, out_dir, format=...)` and scripts/export.py."""
+    return {fmt.name: fmt for kind in REGISTRY.values() for fmt in kind.exports}
+
+
+def kind_formats(kind: str | None) -> tuple[str, ...]:
+    """The formats a kind exports to, first the one vLLM serves (none for an unknown kind)."""
+    return tuple(fmt.name for fmt in REGISTRY[kind].exports) if kind in REGISTRY else ()
 
 
 def export(model, out_dir, format: str | None = None) -> str:
-    """Write `model` in `format` (a name in FORMATS; None = the first its kind exports to, the one vLLM serves)."""
+    """Write `model` in `format` (a name in export_formats(); None = the first its kind exports to, the one vLLM
+    serves)."""
     kind = getattr(model, "kind", None)
-    allowed = KIND_FORMATS.get(kind, ())
+    allowed = kind_formats(kind)
+    formats = export_formats()
     if format is None and not allowed:
         why = " (EAGLE-1/2 has no exact vLLM or SGLang layout)" if kind == "eagle" else ""
         raise ValueError(f"drafter kind {kind or type(model).__name__!r} exports to no serving format{why}; serve it "
                          "with selfspec's own engine (infer.SelfSpecModel)")
     format = format or allowed[0]
-    if format not in FORMATS:
-        raise ValueError(f"unknown export format {format!r}; known: {sorted(FORMATS)}")
+    if format not in formats:
+        raise ValueError(f"unknown export format {format!r}; known: {sorted(formats)}")
     if format not in allowed:
         raise ValueError(f"drafter kind {kind or type(model).__name__!r} does not export to {format!r}; its formats: "
                          f"{list(allowed) or 'none (EAGLE-1/2 has no exact vLLM or SGLang layout)'}")
-    return FORMATS[format].export(model, out_dir)
+    return formats[format].export(model, out_dir)

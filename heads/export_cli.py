@@ -1,5 +1,5 @@
 """scripts/export.py: a saved selfspec drafter (folder, hub id or shipped name) written in a serving format, the one
-vLLM serves for its kind by default, or --format (heads.export.FORMATS). docs/export.md says what each writes and
+vLLM serves for its kind by default, or --format (heads.export.export_formats()). docs/export.md says what each writes and
 what is refused.
 
     .venv/bin/python scripts/export.py runs/demo/drafter out/eagle3-sglang --format sglang
@@ -11,14 +11,14 @@ import argparse
 import sys
 
 from . import load
-from .export import FORMATS, check_out_dir, export
+from .export import check_out_dir, export, export_formats
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("drafter", help="a saved drafter folder, hub id or shipped drafter name")
     parser.add_argument("out_dir", help="an empty or new folder (an earlier export of ours is replaced)")
-    parser.add_argument("--format", choices=sorted(FORMATS), default=None,
+    parser.add_argument("--format", choices=sorted(export_formats()), default=None,
                         help="default: the format vLLM serves for the drafter's kind")
     args = parser.parse_args(argv)
     try:

@@ -39,7 +39,8 @@ class Kind:
     unrolled: bool = False  # trained on its own outputs (training-time test), so `ttt_steps` applies
     trains_target_lora: bool = False  # can train LoRA adapters on the target jointly (lora_r > 0)
     prepare: Callable | None = None  # (drafter, target, train_set) -> None: fitted to the data before training
-    exports: tuple[ExportFormat, ...] = ()  # serving formats it exports to
+    exports: tuple[ExportFormat, ...] = ()  # serving formats it exports to, first the one vLLM serves
+    imports: tuple[str, ...] = ()  # heads.formats readers of other projects' checkpoints that load as this kind
 
 
 # kind name -> Kind, in registration order

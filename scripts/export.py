@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/export.py runs/demo/drafter out/eagle3-sglang --format sglang
 
-Formats (heads.export.FORMATS): speculators (EAGLE-3, vLLM), sglang (EAGLE-3, SGLang/SpecForge), vllm (Medusa),
+Formats (heads.export.export_formats()): speculators (EAGLE-3, vLLM), sglang (EAGLE-3, SGLang/SpecForge), vllm (Medusa),
 dflash (DFlash, vLLM). docs/export.md says what each writes and what is refused.
 """
 

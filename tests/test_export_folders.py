@@ -30,7 +30,7 @@ from foreign_checkpoints import target_model
 
 import heads
 from heads import export, export_cli, folders, publish
-from heads.export import FORMATS
+from heads.export import export_formats
 from train import serve
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,19 +89,19 @@ def _fail_at(monkeypatch, where: str) -> None:
         monkeypatch.setattr(export.json, "dump", dump)
 
 
-@pytest.mark.parametrize("fmt,where", [(f, w) for f in FORMATS for w in ("weights", "config")] + [("dflash", "mask")])
+@pytest.mark.parametrize("fmt,where", [(f, w) for f in export_formats() for w in ("weights", "config")] + [("dflash", "mask")])
 def test_an_export_failing_part_way_leaves_the_earlier_one(fmt, where, tmp_path, monkeypatch):
     out = tmp_path / "export"
     first = drafter(fmt, seed=1)
-    FORMATS[fmt].export(first, out)
+    export_formats()[fmt].export(first, out)
     before = fingerprint(out)
     _fail_at(monkeypatch, where)
     with pytest.raises(KeyboardInterrupt):
-        FORMATS[fmt].export(drafter(fmt, seed=2), out)
+        export_formats()[fmt].export(drafter(fmt, seed=2), out)
     monkeypatch.undo()
     assert fingerprint(out) == before
     assert [p.name for p in tmp_path.iterdir()] == ["export"]  # the half-written folder is gone
-    assert same_weights(FORMATS[fmt].load(out, target=target()), first)
+    assert same_weights(export_formats()[fmt].load(out, target=target()), first)
 
 
 KILLED_EXPORT = """
@@ -167,13 +167,13 @@ def test_an_export_through_a_link_replaces_the_folder_it_points_to(tmp_path):
 # ---- an export whose files are not the ones it wrote ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(export_formats()))
 def test_an_export_without_its_weights_is_refused(fmt, tmp_path):
-    FORMATS[fmt].export(drafter(fmt), tmp_path)
+    export_formats()[fmt].export(drafter(fmt), tmp_path)
     (tmp_path / "model.safetensors").unlink()
     with pytest.raises(ValueError, match="an export of selfspec's without its model.safetensors: the export was "
                                          "interrupted or copied in part; export the drafter again"):
-        FORMATS[fmt].load(tmp_path, target=target())
+        export_formats()[fmt].load(tmp_path, target=target())
 
 
 @pytest.mark.parametrize("recorded", [True, False], ids=["files-recorded", "older-export"])
@@ -191,17 +191,17 @@ def test_a_dflash_export_without_its_mask_vector_is_refused(recorded, tmp_path):
             load(tmp_path, target=target())
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(export_formats()))
 def test_the_config_of_one_export_beside_the_weights_of_another_is_refused(fmt, tmp_path):
     """What a kill between config.json and model.safetensors left before exports were written whole: the same shapes,
     so every key and shape matches, but another drafter's weights (for EAGLE-3, other feature layers too)."""
     options = {"feature_layers": [1, 3, 6]} if KIND[fmt] == "eagle3" else {}
-    FORMATS[fmt].export(drafter(fmt, seed=1), tmp_path / "old")
-    FORMATS[fmt].export(drafter(fmt, seed=2, **options), tmp_path / "new")
+    export_formats()[fmt].export(drafter(fmt, seed=1), tmp_path / "old")
+    export_formats()[fmt].export(drafter(fmt, seed=2, **options), tmp_path / "new")
     shutil.copy(tmp_path / "new" / "config.json", tmp_path / "old" / "config.json")
     with pytest.raises(ValueError, match=r"its (mask_embedding.pt and )?model.safetensors (is|are) not the files? this "
                                          r"export wrote .* the folder mixes files of two exports"):
-        FORMATS[fmt].load(tmp_path / "old", target=target())
+        export_formats()[fmt].load(tmp_path / "old", target=target())
 
 
 # ---- an export loaded onto another target --------------------------------------------------------------------------
@@ -217,14 +217,14 @@ OTHER_TARGETS = {
 }
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(export_formats()))
 @pytest.mark.parametrize("other", list(OTHER_TARGETS))
 def test_an_export_onto_another_target_is_refused_by_field(fmt, other, tmp_path):
     """The export records its target (its selfspec block); the loader used to overwrite that with the new target's
     fields, so a drafter for an 8-layer Llama loaded and ran on a 6-layer one or a Qwen2."""
-    FORMATS[fmt].export(drafter(fmt), tmp_path)
+    export_formats()[fmt].export(drafter(fmt), tmp_path)
     build, message = OTHER_TARGETS[other]
-    loaders = [FORMATS[fmt].load] + ([heads.load] if fmt != "vllm" else [])  # vLLM Medusa: import_medusa_vllm only
+    loaders = [export_formats()[fmt].load] + ([heads.load] if fmt != "vllm" else [])  # vLLM Medusa: import_medusa_vllm only
     for load in loaders:
         with pytest.raises(ValueError, match=r"does not fit the target(.|\n)*" + message.replace("(", r"\(")
                            .replace(")", r"\)")):
@@ -234,12 +234,12 @@ def test_an_export_onto_another_target_is_refused_by_field(fmt, other, tmp_path)
 # ---- exports of the wrong kind, drafter folders that are not what they say --------------------------------------
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", list(export_formats()))
 def test_an_export_function_refuses_another_kind_by_name(fmt, tmp_path):
     other = {"eagle3": "medusa", "medusa": "eagle3", "dflash": "eagle3"}[KIND[fmt]]
     writes = {"eagle3": "Eagle3Model", "medusa": "MedusaModel", "dflash": "DFlashModel"}[KIND[fmt]]
     with pytest.raises(ValueError, match=f"writes {writes} drafters; this is a .*drafter kind '{other}'.*its formats"):
-        FORMATS[fmt].export(heads.build(other, target()), tmp_path / "out")
+        export_formats()[fmt].export(heads.build(other, target()), tmp_path / "out")
     assert not (tmp_path / "out").exists()
 
 
