@@ -208,6 +208,21 @@ def test_a_failed_export_is_retried_without_training_again(tmp_path):
     assert record["status"] == "done" and len(record["attempts"]) == 1
 
 
+def test_a_training_that_fails_its_check_is_not_measured(tmp_path):
+    runner = stub_runner(tmp_path)
+    runner.verify = lambda folder: "it trained on other ids"
+    with pytest.raises(RuntimeError, match="other ids"):
+        run(runner, tmp_path / "run")
+    assert read_run(tmp_path / "run")["status"] == "failed"
+
+
+def test_selfspec_is_refused_where_it_built_a_cache_of_its_own(setup):
+    setup.layouts.selfspec.mkdir(parents=True)
+    assert frameworks.selfspec_used_the_capture(setup, setup.work) is None
+    (setup.layouts.selfspec_root / "0123").mkdir()
+    assert "tokenized the rows otherwise" in frameworks.selfspec_used_the_capture(setup, setup.work)
+
+
 def test_a_work_folder_keeps_one_set_of_rows(tmp_path):
     check_manifest(tmp_path, {"budget": 10, "samples": "a"})
     check_manifest(tmp_path, {"budget": 10, "samples": "a"})

@@ -3,8 +3,8 @@
 Rows are the target's own answers (a distillation file of OpenAI-messages rows), tokenized once with the
 target's chat template by `train.data` (the assistant-only loss mask, truncation at `max_length`), in file
 order, until they hold the budget of assistant tokens. selfspec reads the same conversations back from
-`rows.jsonl` and tokenizes them to the same ids (the manifest records the samples' fingerprint, which its run
-checks); the peers read the ids and masks as written.
+`rows.jsonl` and tokenizes them to the same ids (checked after its run: it found the feature cache captured here,
+whose key hashes the ids); the peers read the ids and masks as written.
 
 Features come from one fp32 forward of the target per row, written in each trainer's layout:
 

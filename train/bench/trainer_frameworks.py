@@ -78,7 +78,7 @@ def runner(name: str, setup: Setup, seed: int) -> Runner:
     if name == "selfspec":
         return Runner(name, partial(selfspec_command, setup, seed), selfspec_checkpointed,
                       lambda folder: folder / "out" / "drafter", fresh=partial(remove, "out"),
-                      env=env, cwd=ROOT)
+                      verify=partial(selfspec_used_the_capture, setup), env=env, cwd=ROOT)
     if name == "specforge":
         return Runner(name, partial(specforge_command, setup, seed), specforge_checkpointed,
                       lambda folder: folder / "drafter", exports=partial(specforge_export, setup),
@@ -107,6 +107,18 @@ def selfspec_command(setup: Setup, seed: int, folder: Path, resume: bool) -> lis
             f"feature_cache_dir={setup.layouts.selfspec_root}", f"output_dir={folder / 'out'}", f"seed={seed}",
             f"save_every={every(steps)}", "keep_checkpoints=2", "progress_bar=false", "log_every=10"]
     return [*argv, "--resume"] if resume else argv
+
+
+def selfspec_used_the_capture(setup: Setup, folder: Path) -> str | None:
+    """selfspec tokenizes rows.jsonl itself; its feature cache's key hashes the ids it got, so a cache beside the
+    captured one means other ids than the peers'."""
+    root = setup.layouts.selfspec_root
+    others = sorted(p.name for p in root.iterdir() if p.name != setup.layouts.selfspec_key and not p.name.startswith("."))
+    if others:
+        return (f"its training tokenized the rows otherwise than the benchmark did (it built the feature cache "
+                f"{root / others[0]} beside the captured {setup.layouts.selfspec}), so it did not train on the peers' "
+                "token ids; check the target's tokenizer and chat template, then remove that cache and run again")
+    return None
 
 
 def selfspec_checkpointed(folder: Path) -> bool:

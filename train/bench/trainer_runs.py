@@ -32,7 +32,8 @@ class Runner:
 
     `train(folder, resume)` is the training command; `checkpointed(folder)` whether the folder holds a checkpoint
     its trainer resumes from; `exports(folder)` the commands that turn its output into the folder selfspec
-    imports, `drafter(folder)`; `fresh(folder)` clears what a run killed before its first checkpoint left."""
+    imports, `drafter(folder)`; `fresh(folder)` clears what a run killed before its first checkpoint left;
+    `verify(folder)` what is wrong with a finished training (None: nothing)."""
 
     name: str
     train: Callable[[Path, bool], list[str]]
@@ -40,6 +41,7 @@ class Runner:
     drafter: Callable[[Path], Path]
     exports: Callable[[Path], list[list[str]]] = lambda folder: []
     fresh: Callable[[Path], None] = lambda folder: None
+    verify: Callable[[Path], str | None] = lambda folder: None
     env: dict = field(default_factory=dict)
     cwd: Path | None = None
 
@@ -79,6 +81,11 @@ def run(runner: Runner, folder: Path, info: dict | None = None) -> dict:
         attempt.update(measure(argv, folder / LOG_FILE, runner.env, runner.cwd or folder))
         write_run(folder, record)
         check(attempt, folder, "training")
+        problem = runner.verify(folder)
+        if problem:
+            record.update(status="failed", error=problem)
+            write_run(folder, record)
+            raise RuntimeError(f"{runner.name}: {problem}")
         record["status"] = "trained"
     for argv in runner.exports(folder):
         step = measure(argv, folder / LOG_FILE, runner.env, runner.cwd or folder)
