@@ -878,11 +878,20 @@ def after_step(config: TrainConfig, accelerator, inputs: Inputs, run: Run, log: 
         save_checkpoint(config, accelerator, progress.step, inputs.fingerprints)
     if config.halt_after_steps and progress.step >= config.halt_after_steps:
         return "halted"  # as if killed: no final evaluation, no drafter folder
-    if config.max_train_minutes and time.perf_counter() - pace.t_train >= 60 * config.max_train_minutes:
+    if config.max_train_minutes and out_of_time(accelerator, pace, config.max_train_minutes):
         log.say(f"[train] max_train_minutes={config.max_train_minutes} spent at step {progress.step}/{total}: "
                 "ending the run here")
         return "out_of_time"  # ends like max_steps: final evaluation and drafter folder
     return stop
+
+
+def out_of_time(accelerator, pace: Pace, minutes: float) -> bool:
+    """Whether the time budget is spent, decided by all processes together: each reads its own clock, and one that
+    left the loop alone would leave the others waiting in their next collective for ever."""
+    spent = time.perf_counter() - pace.t_train >= 60 * minutes
+    if accelerator.num_processes == 1:
+        return spent
+    return bool(accelerator.reduce(torch.tensor([float(spent)], device=accelerator.device), reduction="sum").item())
 
 
 def checked_evaluation(config: TrainConfig, accelerator, inputs: Inputs, run: Run) -> dict:
