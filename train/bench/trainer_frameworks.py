@@ -35,6 +35,16 @@ TTT_DEPTH = 7
 DRAFT_VOCAB = 8192
 CHECKPOINTS = 10  # checkpoints a run saves over its course, so a kill loses at most a tenth of it
 SELFSPEC_CONFIG = ROOT / "configs" / "smollm2_eagle3.yaml"
+
+
+@dataclass(frozen=True)
+class PeerNames:
+    """The peers' own names for what every framework here trains."""
+
+    algorithm: str = "eagle3"  # specforge's `training.strategy`, speculators' `--speculator-type`
+
+
+PEER = PeerNames()
 SELFSPEC_BATCH = 8  # configs/smollm2_eagle3.yaml's batch_size: its steps, for save_every
 
 # The CPU patches each run relies on, for the report's notes (the wrappers' docstrings say why).
@@ -146,7 +156,7 @@ def specforge_config(setup: Setup, seed: int, folder: Path) -> dict:
                   "torch_dtype": "bfloat16"},
         "data": {"hidden_states_path": str(setup.layouts.specforge), "max_length": setup.max_length,
                  "cache_dir": str(folder / "cache"), "dataloader_num_workers": 0},
-        "training": {"strategy": "eagle3", "num_epochs": 1, "batch_size": 1, "ttt_length": TTT_DEPTH,
+        "training": {"strategy": PEER.algorithm, "num_epochs": 1, "batch_size": 1, "ttt_length": TTT_DEPTH,
                      "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD", "log_interval": 10,
                      "save_interval": every(setup.rows), "max_checkpoints": 2, "seed": seed},
         "run_id": "bench", "output_dir": str(folder / "out"),
@@ -180,7 +190,7 @@ def specforge_export(setup: Setup, folder: Path) -> list[list[str]]:
 # ---- speculators ------------------------------------------------------------------------------------------------
 def speculators_command(setup: Setup, seed: int, paper: bool, folder: Path, resume: bool) -> list[str]:
     """speculators resumes from the newest checkpoint in --save-path by itself, so `resume` changes nothing."""
-    argv = [str(setup.peers_python), str(PEER_CPU / "speculators_cpu.py"), "--speculator-type", "eagle3",
+    argv = [str(setup.peers_python), str(PEER_CPU / "speculators_cpu.py"), "--speculator-type", PEER.algorithm,
             "--verifier-name-or-path", str(setup.peer_target), "--data-path", str(setup.layouts.speculators),
             "--save-path", str(folder / "out"), "--draft-vocab-size", str(DRAFT_VOCAB),
             "--ttt-steps", str(TTT_DEPTH), "--epochs", "1", "--train-data-ratio", repr(speculators_train_ratio(setup.rows)),
