@@ -20,7 +20,7 @@ import importlib
 import sys
 from pathlib import Path
 
-# verb: (module with main(argv), one line for the verb list)
+# verb: (the function it runs, "module" for module.main or "module:function", one line for the verb list)
 VERBS = {
     "train": ("train.train_heads", "train a drafter on a frozen target (key=value overrides; accelerate, torchrun)"),
     "regenerate": ("train.regenerate", "self-distillation data: the target answers a dataset's prompts"),
@@ -29,7 +29,7 @@ VERBS = {
     "bench": ("train.bench", "benchmark drafters against the target on MT-bench or any prompts"),
     "serve": ("train.serve", "serve a drafter with vLLM (an OpenAI-compatible server)"),
     "export": ("heads.export_cli", "write a drafter in another project's format (speculators, SGLang, vLLM Medusa)"),
-    "import": ("train.cli", "read another project's checkpoint (EAGLE, SpecForge, speculators, Medusa, DFlash) "
+    "import": ("train.cli:import_main", "read another project's checkpoint (EAGLE, SpecForge, speculators, Medusa, DFlash) "
                             "and save it as a selfspec drafter"),
     "push": ("heads.publish", "upload a drafter to the Hugging Face Hub with its model card"),
     "demo": ("train.demo", "the whole loop on the embedded target: distill, train, calibrate, benchmark"),
@@ -62,9 +62,6 @@ def import_main(argv=None) -> int:
     return 0
 
 
-main_of = {"train.cli": import_main}
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="selfspec", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -83,8 +80,8 @@ def main(argv=None) -> int:
     verb, rest = argv[0], argv[1:]
     if verb not in VERBS:
         build_parser().parse_args([verb])  # exits naming the verbs
-    module = VERBS[verb][0]
-    run = main_of.get(module) or importlib.import_module(module).main
+    module, _, function = VERBS[verb][0].partition(":")
+    run = getattr(importlib.import_module(module), function or "main")
     sys.argv[0] = f"selfspec {verb}"  # argparse's prog: the help and errors name the verb
     return run(rest) or 0
 
