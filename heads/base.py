@@ -66,7 +66,7 @@ class DrafterConfig(PretrainedConfig):
     training: dict | None = None  # provenance for the model card: data, steps, ...
     metrics: dict | None = None  # measured results for the model card: mean accepted length, speedup, ...
     # acceptance statistics on held-out prompts (`scripts/calibrate.py --write`), from which the tree is chosen
-    # per machine (`SelfSpecModel(..., tree="calibrated")`); see infer/calibrate.py
+    # per machine (`SelfSpecModel(..., tree="calibrated")`); see infer/tree_choice.py
     calibration: dict | None = None
     # draft with prompt lookup first (`infer.drafters.LookupFirstDrafter`) unless the user says otherwise: set by
     # `scripts/calibrate.py --write` where it measured faster on the held-out prompts (`calibration["lookup_first"]`)

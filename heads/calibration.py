@@ -70,8 +70,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import heads
     from heads.card import write_calibration
-    from infer.calibrate import choose
     from infer.embedded import resolve_target
+    from infer.tree_choice import choose
     from infer.tuning.acceptance import encode_prompts, load_prompts
 
     args = parse_args(argv)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
 
 
 def report(choice) -> str:
-    """What `infer.calibrate.choose` found, for the terminal: the table, the best tree and, where measured,
+    """What `infer.tree_choice.choose` found, for the terminal: the table, the best tree and, where measured,
     whether prompt lookup first and drafting at all pay."""
     best = choice.best
     lines = [table(choice.predictions, best, choice.no_drafts),

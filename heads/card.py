@@ -69,7 +69,7 @@ def write_model_card(folder, config, kind: str, title: str | None = None) -> str
 
 
 def write_calibration(folder, drafter, calibration: dict, tree: dict, lookup_first: dict | None = None) -> None:
-    """Store the chosen tree and the acceptance statistics (`infer.calibrate.choose`'s) in the saved drafter at
+    """Store the chosen tree and the acceptance statistics (`infer.tree_choice.choose`'s) in the saved drafter at
     `folder`: its config.json (the weights are unchanged) and its model card. Later loads draft with that tree,
     and `tree="calibrated"` chooses again from the statistics on another machine. `lookup_first`, a
     `measure_lookup_first` result, is stored beside the statistics and sets `config.lookup_first`, which

@@ -52,7 +52,7 @@ class EngineOptions:
     `tree` (trained drafters only): a dict of tree settings overriding the drafter's saved ones, or "calibrated":
     the tree that maximizes predicted tokens/s on this machine, from the acceptance statistics
     `scripts/calibrate.py --write` stored with the drafter and this machine's verify and draft costs, measured on
-    first use and cached per device (`infer.calibrate.calibrated_tree`).
+    first use and cached per device (`infer.tree_choice.calibrated_tree`).
 
     `step_observer`: called as `step_observer(tree, acceptance, budget)` after every verify step with the verified
     `DraftTree`, the `infer.verify.Acceptance` and the [B] depth budget the tree was cut to (live rows only), e.g.
@@ -81,7 +81,7 @@ class EngineOptions:
     each further row costs the verify forward nearly as much again on a CPU, so a tree that pays on one row can
     lose on several (docs/benchmarks.md, "Batches"). None = where a drafter with acceptance statistics
     (`scripts/calibrate.py --write`) is predicted to be faster than no drafts at the call's batch size by more than
-    `infer.policy.BATCH_MARGIN` (`infer.calibrate.predict_batch`: timed on the first call of each batch size,
+    `infer.policy.BATCH_MARGIN` (`infer.tree_choice.predict_batch`: timed on the first call of each batch size,
     then cached), else with no drafts; the same output either way, and `last_stats["batch_drafting"]` says which
     ran and why. True = always draft; False = a call of several rows never drafts. One-row calls always draft.
 

@@ -2,7 +2,7 @@
 
 Every option left to "where it pays" is decided here, before the engine exists, by timing this machine where it
 must (each timing cached per machine): prepacked weights and the streamed kernel's block sizes, the lean verify
-forward (`infer.tuning.plan`), a calibrated tree (`infer.calibrate.calibrated_tree`), the captured step on a GPU
+forward (`infer.tuning.plan`), a calibrated tree (`infer.tree_choice.calibrated_tree`), the captured step on a GPU
 (`captured_step`), and whether a call of several rows drafts (`BatchDrafting`, asked by the engine at each call of
 several rows, timed on the first of each batch size). The engine (`infer.engine.Engine`) runs the resulting `Plan`
 and decides nothing.
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .calibrate import calibrated_tree, predict_batch
 from .options import EngineOptions, Plan
+from .tree_choice import calibrated_tree, predict_batch
 from .tuning.plan import check_drafter, check_target, plan, prepack_for, target_devices
 
 # A call of several rows drafts only where drafting is predicted this much faster than no drafts: the predictions are

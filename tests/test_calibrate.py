@@ -1,4 +1,4 @@
-"""Tree calibration (infer/calibrate.py, infer/tuning/): the choice from acceptance statistics, the acceptance
+"""Tree calibration (infer/tree_choice.py, infer/tuning/): the choice from acceptance statistics, the acceptance
 observed through the engine, greedy equality with calibrated and early-stopping trees, and bad prompt files."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from conftest import tiny_model
 import heads
 from heads import calibration
 from heads.card import write_calibration
-from infer import SelfSpecModel, calibrate, policy
+from infer import SelfSpecModel, policy, tree_choice
 from infer.drafters import LookupFirstDrafter
 from infer.drafting import TargetStep
 from infer.sampling import SamplingParams
@@ -161,7 +161,7 @@ def test_a_step_with_no_drafts_is_split_from_the_difference_of_two_generations(t
     assert step["engine_seconds"] == pytest.approx(((3.0 - 1.3 - 0.26) - (1.0 - 0.5 - 0.1)) / steps)
     assert step["forward_seconds"] == pytest.approx((1.3 - 0.5) / steps)
     assert step["draft_seconds"] == pytest.approx((0.26 - 0.1) / steps)
-    none = calibrate.predict_no_drafts(target(), context=16, repeats=2)
+    none = tree_choice.predict_no_drafts(target(), context=16, repeats=2)
     assert none.candidate.nodes == 0 and none.tokens_per_second == pytest.approx(steps / (3.0 - 1.0))
     models.clear()
     assert timing.no_drafts_step(target(), context=16, repeats=2) == step and not models  # cached
@@ -179,13 +179,13 @@ def test_a_calibrated_tree_slower_than_no_drafts_is_named_a_loss(drafting_pays, 
     drafter.config.calibration = {"measured": [{"mode": "static", "steps": 1, "mean_accepted": 0.5,
                                                 "p_accept": [0.5], "tree": {"mode": "static", "paths": [[0]]}}]}
     tree = Candidate({"mode": "static", "paths": [[0]]}, 1, 0.5)
-    monkeypatch.setattr(calibrate, "predict", lambda *a, **k: [Prediction(tree, 0.2, 1.0, 0.3)])  # 1.5 / 1.5
+    monkeypatch.setattr(tree_choice, "predict", lambda *a, **k: [Prediction(tree, 0.2, 1.0, 0.3)])  # 1.5 / 1.5
     none = Prediction(NO_DRAFTS, 0.0, 1.2 if drafting_pays else 0.2, 0.3)  # 1 / 1.5 or 1 / 0.5
-    monkeypatch.setattr(calibrate, "predict_no_drafts", lambda *a, **k: none)
+    monkeypatch.setattr(tree_choice, "predict_no_drafts", lambda *a, **k: none)
     for _ in range(2):  # measured, then read from the cache
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            assert calibrate.calibrated_tree(drafter, t) == tree.tree
+            assert tree_choice.calibrated_tree(drafter, t) == tree.tree
         losses = [w for w in caught if "predicted not to pay on this machine" in str(w.message)]
         assert len(losses) == (0 if drafting_pays else 1)
         if not drafting_pays:
@@ -289,8 +289,8 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     monkeypatch.setenv("SELFSPEC_CACHE", str(tmp_path))
     t = target()
     drafter = peaked(heads.build(kind, t))
-    calibration, predicted = calibrate.calibrate(t, drafter, prompts(), mode=mode, wide=32, max_nodes=16,
-                                                 max_new_tokens=16, context=16, repeats=1)
+    calibration, predicted = tree_choice.calibrate(t, drafter, prompts(), mode=mode, wide=32, max_nodes=16,
+                                                   max_new_tokens=16, context=16, repeats=1)
     assert len(predicted) >= 16 and all(p.tokens_per_second > 0 for p in predicted)
     drafter.config.calibration = json.loads(json.dumps(calibration))  # as config.json stores it
     ids = torch.cat(prompts(2, seed=5))
@@ -304,15 +304,15 @@ def test_calibrated_tree_keeps_greedy_output_and_is_cached(kind, mode, tmp_path,
     # the verify curve, the chosen tree and (where the streamed kernel builds) the kernel choice
     assert {p.name.split("-")[0] for p in (tmp_path / "calibration").iterdir()} - {"stream_rows"} == {
         "verify", "no_drafts", "tree"}
-    chosen = calibrate.calibrated_tree(drafter, t)
+    chosen = tree_choice.calibrated_tree(drafter, t)
 
     def measured_again(*args, **kwargs):
         raise AssertionError("the cached choice was not used")
 
-    monkeypatch.setattr(calibrate, "verify_costs", measured_again)
-    monkeypatch.setattr(calibrate, "draft_costs", measured_again)
-    monkeypatch.setattr(calibrate, "no_drafts_step", measured_again)
-    assert calibrate.calibrated_tree(drafter, t) == chosen
+    monkeypatch.setattr(tree_choice, "verify_costs", measured_again)
+    monkeypatch.setattr(tree_choice, "draft_costs", measured_again)
+    monkeypatch.setattr(tree_choice, "no_drafts_step", measured_again)
+    assert tree_choice.calibrated_tree(drafter, t) == chosen
     assert chosen in [p.candidate.tree for p in predicted]
     again = SelfSpecModel(t, drafter, tree="calibrated", draft_batches=True)
     assert torch.equal(again.generate(ids, attention_mask=mask, max_new_tokens=20, eos_token_id=[]), expected)
@@ -326,8 +326,8 @@ def calibrated(kind: str = "eagle3", mode: str = "dynamic"):
     saved as its own."""
     t = target()
     drafter = peaked(heads.build(kind, t))
-    calibration, predicted = calibrate.calibrate(t, drafter, prompts(), mode=mode, wide=16, max_nodes=8,
-                                                 max_new_tokens=8, context=16, repeats=1)
+    calibration, predicted = tree_choice.calibrate(t, drafter, prompts(), mode=mode, wide=16, max_nodes=8,
+                                                   max_new_tokens=8, context=16, repeats=1)
     drafter.config.calibration = json.loads(json.dumps(calibration))
     drafter.config.tree = drafter.config.resolve_tree({**drafter.config.tree, **best_prediction(predicted).candidate.tree})
     return drafter
@@ -411,9 +411,9 @@ def test_a_drafter_without_statistics_or_with_a_tree_they_do_not_hold_drafts_eve
     assert torch.equal(fresh.generate(ids, attention_mask=mask, max_new_tokens=12, eos_token_id=[]), expected)
     assert proposed and asked == [] and fresh.last_stats["batch_drafting"] is None
     drafter = calibrated()
-    assert calibrate.tree_candidate(drafter.config.calibration, drafter.config.tree) is not None
+    assert tree_choice.tree_candidate(drafter.config.calibration, drafter.config.tree) is not None
     by_hand = {**drafter.config.tree, "min_confidence": 0.5}  # no candidate of the statistics drafts with an early stop
-    assert calibrate.tree_candidate(drafter.config.calibration, drafter.config.resolve_tree(by_hand)) is None
+    assert tree_choice.tree_candidate(drafter.config.calibration, drafter.config.resolve_tree(by_hand)) is None
     monkeypatch.undo()
     model = SelfSpecModel(target(), drafter, tree=by_hand)
     proposed = counting_proposals(model)
@@ -428,15 +428,15 @@ def test_predict_batch_times_both_ways_at_the_batch_size_and_caches_them(tmp_pat
     block_costs, draft_costs = timing.block_costs, timing.draft_costs
     monkeypatch.setattr(timing, "block_costs", lambda *a, **k: batches.append(k["batch"]) or block_costs(*a, **k))
     monkeypatch.setattr(timing, "draft_costs", lambda *a, **k: batches.append(k["batch"]) or draft_costs(*a, **k))
-    drafting, none = calibrate.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
+    drafting, none = tree_choice.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
     assert batches == [3, 3]
-    candidate = calibrate.tree_candidate(drafter.config.calibration, drafter.config.tree)
+    candidate = tree_choice.tree_candidate(drafter.config.calibration, drafter.config.tree)
     assert drafting.candidate == candidate and none.candidate == NO_DRAFTS
     assert min(drafting.draft_seconds, drafting.verify_seconds, none.verify_seconds) > 0
     assert drafting.engine_seconds == none.engine_seconds
-    again = calibrate.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
+    again = tree_choice.predict_batch(target(), drafter, drafter.config.tree, 3, context=16, repeats=1)
     assert again == (drafting, none) and batches == [3, 3]  # read from the cache
-    calibrate.predict_batch(target(), drafter, drafter.config.tree, 2, context=16, repeats=1)
+    tree_choice.predict_batch(target(), drafter, drafter.config.tree, 2, context=16, repeats=1)
     assert batches == [3, 3, 2, 2]  # another batch size is timed anew
 
 

@@ -151,7 +151,7 @@ def calibrate_tree(target, tokenizer, drafter_dir: Path, drafter, prompts: list[
     maximizes the predicted tokens/s into its folder, with whether prompt lookup first made that tree faster
     on the same prompts (what `scripts/calibrate.py --write` does)."""
     from heads.card import write_calibration
-    from infer.calibrate import choose
+    from infer.tree_choice import choose
     from infer.tuning.acceptance import encode_prompts
 
     choice = choose(target, drafter, encode_prompts(tokenizer, [q["turns"][0] for q in prompts]),

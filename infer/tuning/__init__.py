@@ -1,5 +1,5 @@
 """The measurements the engine's options are settled from (`infer.policy`) and trees are calibrated with
-(`infer.calibrate`), one job a module:
+(`infer.tree_choice`), one job a module:
 
 - `cache`: the per-machine cache every timing is stored in;
 - `timing`: the timing harness and the costs of a forward, a verify step, a drafting step and a step of the engine;

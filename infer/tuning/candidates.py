@@ -9,7 +9,7 @@ spread**r` (deeper predictions are less reliable; lower-ranked candidates much l
 is the product along it. Keeping the `num_nodes` best paths gives a tree that is wide near the root and narrow
 deep down; the trained drafters' default static trees are such priors.
 
-Calibration (`infer.calibrate`, `scripts/calibrate.py`) drafts a wide tree on held-out prompts and counts how
+Calibration (`infer.tree_choice`, `scripts/calibrate.py`) drafts a wide tree on held-out prompts and counts how
 often each node is accepted. A node is accepted only if its parent is, so P(accepted) never grows going down,
 and for a static tree the expected number of accepted drafts is exactly the sum of its nodes' P: the best tree
 of N nodes holds the N most likely paths, which are ancestor-closed. For EAGLE-2's dynamic tree the same holds

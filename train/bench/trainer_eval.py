@@ -8,7 +8,7 @@ near-tie. The trees:
 
     chain7      a 7-token chain (depth 7, top-1), as the papers' anchors draft
     tree60      EAGLE-2's dynamic tree: depth 6, top-k 10, the 60 best drafted nodes kept
-    calibrated  the tree `infer.calibrate.choose` picks for this machine from the drafter's acceptance on the
+    calibrated  the tree `infer.tree_choice.choose` picks for this machine from the drafter's acceptance on the
                 calibration prompts (held-out prompts not measured here) and this machine's verify and draft costs
 
 tau = new tokens after the prefill's / decoding steps after the prefill (each step's accepted drafts plus its
@@ -84,7 +84,7 @@ def tau(target, drafter, tree: dict, sets: dict[str, list[torch.Tensor]], max_ne
 
 
 def calibrated_tree(target, drafter, prompts: list[torch.Tensor], tokenizer=None) -> dict:
-    from infer.calibrate import choose
+    from infer.tree_choice import choose
 
     return choose(target, drafter, prompts, lookup_first=False, tokenizer=tokenizer).tree
 

@@ -191,7 +191,7 @@ def calibrated_tree(drafter, target, tokenizer=None, *, prepack: bool | None = N
         warnings.warn(f"drafting with this drafter is predicted not to pay on this machine ({fields['device']}, {fields['threads']} "
                       f"threads): its best tree is predicted at {cached['tokens_per_second']:.1f} tokens/s and "
                       f"generation with no drafts, SelfSpecModel(target) alone, at "
-                      f"{cached['no_drafts_tokens_per_second']:.1f} (infer.calibrate.predict_no_drafts: estimates good to "
+                      f"{cached['no_drafts_tokens_per_second']:.1f} (infer.tree_choice.predict_no_drafts: estimates good to "
                       "about 10%; scripts/calibrate.py times both on held-out prompts). A drafter whose drafts are "
                       "accepted more often would change that", stacklevel=4)  # SelfSpecModel's caller
     return cached["tree"]
