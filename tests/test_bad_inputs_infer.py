@@ -16,14 +16,14 @@ import torch
 from conftest import tiny_model
 from transformers import GenerationConfig
 
-from heads import calibration, publish
+from heads import calibrate_cli, publish
 from infer import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, SelfSpecModel
 from infer.drafters.adaptive import AdaptiveLength
 from train import bench, serve
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 20]])
 # the modules behind the scripts a row's command line runs
-COMMANDS = {"bench": bench, "serve": serve, "calibrate": calibration}
+COMMANDS = {"bench": bench, "serve": serve, "calibrate": calibrate_cli}
 
 
 def questions(tmp: Path, text: str) -> Path:

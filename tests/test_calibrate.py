@@ -15,7 +15,7 @@ import torch
 from conftest import tiny_model
 
 import heads
-from heads import calibration
+from heads import calibrate_cli
 from heads.card import write_calibration
 from infer import SelfSpecModel, policy, tree_choice
 from infer.drafters import LookupFirstDrafter
@@ -605,7 +605,7 @@ def test_bad_prompt_files_name_the_file_and_line(tmp_path, name, text, message):
 def test_missing_prompt_file_fails_before_loading_models(tmp_path):
     missing = tmp_path / "held_out.jsonl"
     with pytest.raises(FileNotFoundError, match=rf"no prompt file at {missing}; pass --prompts"):
-        calibration.main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
+        calibrate_cli.main(["--drafter", str(tmp_path / "no_drafter"), "--prompts", str(missing)])
 
 
 def saved_target(folder: Path):
@@ -629,7 +629,7 @@ def test_script_writes_the_tree_that_calibrated_models_use(tmp_path, monkeypatch
     prompts_file = tmp_path / "held_out.jsonl"
     prompts_file.write_text("".join(json.dumps(" ".join(f"w{(7 * i + j) % 90 + 3}" for j in range(6))) + "\n"
                                     for i in range(3)))
-    calibration.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+    calibrate_cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
                              str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
                              "--context", "16", "--repeats", "1", "--threads", "1", "--write"])
     printed = capsys.readouterr().out
@@ -658,7 +658,7 @@ def test_script_can_leave_lookup_first_unmeasured(tmp_path, monkeypatch, capsys)
     heads.build("eagle3", saved_target(tmp_path / "target")).save_pretrained(tmp_path / "drafter")
     prompts_file = tmp_path / "held_out.jsonl"
     prompts_file.write_text(json.dumps("w5 w6 w7 w8 w9 w10") + "\n")
-    calibration.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
+    calibrate_cli.main(["--drafter", str(tmp_path / "drafter"), "--prompts", str(prompts_file), "--target",
                              str(tmp_path / "target"), "--wide", "32", "--max-nodes", "8", "--max-new-tokens", "12",
                              "--context", "16", "--repeats", "1", "--threads", "1", "--no-lookup-first", "--write"])
     assert "lookup first" not in capsys.readouterr().out

@@ -211,7 +211,7 @@ def test_the_script_loader_check_sees_each_form(source, flagged):
 
 
 def test_tests_never_load_scripts_by_file_path():
-    """Tests import the module a script calls (train.serve, heads.calibration, ...); running a script as the
+    """Tests import the module a script calls (train.serve, heads.calibrate_cli, ...); running a script as the
     command it is (subprocess) is fine."""
     found = {p.name: hits for p in sorted((ROOT / "tests").glob("*.py"))
              if (hits := _loads_scripts_by_path(p.read_text()))}

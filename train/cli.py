@@ -25,7 +25,7 @@ VERBS = {
     "train": ("train.train_heads", "train a drafter on a frozen target (key=value overrides; accelerate, torchrun)"),
     "regenerate": ("train.regenerate", "self-distillation data: the target answers a dataset's prompts"),
     "synthesize": ("train.synthesize_prompts", "have the target write prompts where there are few"),
-    "calibrate": ("heads.calibration", "choose a drafter's tree for this machine and write it into its config"),
+    "calibrate": ("heads.calibrate_cli", "choose a drafter's tree for this machine and write it into its config"),
     "bench": ("train.bench", "benchmark drafters against the target on MT-bench or any prompts"),
     "serve": ("train.serve", "serve a drafter with vLLM (an OpenAI-compatible server)"),
     "export": ("heads.export_cli", "write a drafter in another project's format (speculators, SGLang, vLLM Medusa)"),
