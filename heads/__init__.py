@@ -20,7 +20,7 @@ from huggingface_hub.errors import HFValidationError
 from huggingface_hub.utils import validate_repo_id
 from transformers import PretrainedConfig, PreTrainedModel
 
-from infer.embedded import beside_a_local_folder, looks_local
+from infer.loading import beside_a_local_folder, looks_local
 
 from . import export, formats
 from .base import DrafterConfig, DrafterModel, text_config, tokenizer_fingerprint

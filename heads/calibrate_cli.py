@@ -70,7 +70,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     import heads
     from heads.card import write_calibration
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
     from infer.tree_choice import choose
     from infer.tuning.acceptance import encode_prompts, load_prompts
 

@@ -76,7 +76,7 @@ class SelfSpecModel(Engine):
             if not name:
                 raise ValueError(f"{drafter_path_or_hub_id} records no base_model_name_or_path (nor names its target "
                                  "otherwise); pass target=")
-            from .embedded import resolve_target
+            from .loading import resolve_target
 
             target, recorded = resolve_target(name, **kwargs)
             # a tokenizer given is the one the caller encodes with: it is what the drafter checks, not the target's

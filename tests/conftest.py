@@ -118,7 +118,7 @@ def smollm2():
     """The real embedded target (SmolLM2-135M-Instruct) and its tokenizer, padding on the left."""
     import os
 
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     threads = torch.get_num_threads()
     # the one-thread pin above is for the tiny models; the real target shares the cores with the other workers

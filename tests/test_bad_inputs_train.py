@@ -18,7 +18,7 @@ from train_fixtures import char_tokenizer, conversations, save_tiny_target, writ
 
 import heads
 from heads import publish
-from infer.embedded import resolve_target
+from infer.loading import resolve_target
 from train.config import TrainConfig, load_config
 from train.data import build_samples, load_rows
 from train.train_heads import parse_args, train

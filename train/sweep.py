@@ -129,7 +129,7 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     import torch
 
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
     from infer.tuning.acceptance import encode_prompts, load_prompts
 
     prompts_text = load_prompts(args.prompts)[: args.tau_prompts]  # bad input fails before any training

@@ -148,7 +148,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    from infer.embedded import TARGET_FIX, check_local_folder
+    from infer.loading import TARGET_FIX, check_local_folder
 
     from .target import load_target
 

@@ -13,7 +13,7 @@ SAMPLED_VALUES = 1 << 16  # values of each weight tensor that `target_fingerprin
 
 def load_target(name_or_path: str, dtype: str = "float32"):
     """(model, tokenizer) for a local folder, a hub id, or `smollm2-135m-instruct` (the embedded target)."""
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     model, tokenizer = resolve_target(name_or_path, dtype=DTYPES[dtype])
     model.eval().requires_grad_(False)

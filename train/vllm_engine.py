@@ -86,7 +86,7 @@ def speculative_config(spec: str, *, target: str | None = None, export_dir: str 
     out = Path(export_dir) if export_dir else Path(f"{Path(spec).resolve()}-{fmt.name}")
     check_out_dir(out)
     if fmt.needs_target(drafter):  # e.g. Medusa heads sharing the target's lm_head write a copy of it
-        from infer.embedded import resolve_target
+        from infer.loading import resolve_target
 
         model, tokenizer = resolve_target(target or drafter.config.base_model_name_or_path, dtype="auto")
         drafter.attach(model, tokenizer)

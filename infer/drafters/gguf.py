@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..drafting import Drafter, TargetStep
-from ..embedded import target_tokenizer
+from ..loading import target_tokenizer
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
 from .adaptive import AdaptiveLength, modelled_cost

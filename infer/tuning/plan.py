@@ -20,8 +20,8 @@ from transformers import PreTrainedModel
 from ..cpu import lean_forward, linear
 from ..drafters import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, build_drafter, known
 from ..drafting import Drafter
-from ..embedded import target_tokenizer
 from ..engine import Engine
+from ..loading import target_tokenizer
 from ..options import EngineOptions, Plan
 from ..target import check_maskable, max_positions
 from .cache import device_name, digest, fingerprint, read_cache, write_cache

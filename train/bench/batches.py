@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from infer import SelfSpecModel
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
     from infer.tuning.acceptance import load_prompts
 
     torch.set_num_threads(args.threads)

@@ -247,7 +247,7 @@ def main(argv=None) -> int:
         parser.error("--questions is required (or --random-target SHAPE for the engine on a random-weight target)")
     args.repeats = args.repeats or 1
 
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     threads = args.threads or os.cpu_count() or 1
     questions = load_questions(args.questions, args.limit, args.categories, args.per_category)

@@ -65,7 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    from infer.embedded import resolve_target
+    from infer.loading import resolve_target
 
     args = build_parser().parse_args(argv)
     torch.set_num_threads(args.threads or os.cpu_count() or 1)

@@ -160,7 +160,7 @@ def load_drafter(spec: str, target, tree: dict | None = None):
     if spec.partition(":")[0] in DRAFTERS:  # a drafter by name: ngram, gguf, int8, bf16, early_exit:<k>, ...
         return spec, spec
     if spec.startswith("draft-model:"):
-        from infer.embedded import resolve_target
+        from infer.loading import resolve_target
 
         path = spec.split(":", 1)[1]
         model, _ = resolve_target(path, dtype=target.dtype)
