@@ -20,7 +20,7 @@ from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 from transformers.models.auto.configuration_auto import model_type_to_module_name
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from infer.kv import additive_mask
+from infer.attention import additive_mask
 
 
 @dataclass(frozen=True)

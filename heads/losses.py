@@ -13,7 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from infer.kv import additive_mask
+from infer.attention import additive_mask
 
 
 def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:

@@ -38,9 +38,10 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from . import cpu, cuda
+from .attention import prompt_tree
 from .drafters import LookupFirstDrafter, NoDrafter
 from .drafting import Drafter, TargetStep
-from .kv import VERIFY_ROOM, KVState, forward_block, prompt_tree, verify_bucket
+from .kv import VERIFY_ROOM, KVState, forward_block, verify_bucket
 from .options import Plan
 from .request import NOT_GIVEN, Settings, check_generator, check_inputs, resolve_settings, with_keywords
 from .sampling import NOT_A_DISTRIBUTION, logits_to_probs, next_token

@@ -1,7 +1,7 @@
 """The target's (or a drafter's) KV cache with per-row bookkeeping, driven through the model's own forward.
 
-We never patch modeling code. Every forward gets an explicit 4D additive attention mask, `position_ids`
-and `cache_position`; transformers passes a 4D mask through untouched. That lets one cache hold rows
+We never patch modeling code. Every forward gets an explicit 4D additive attention mask (infer/attention.py),
+`position_ids` and `cache_position`; transformers passes a 4D mask through untouched. That lets one cache hold rows
 that accept different numbers of tokens per step: a row's rejected or unused slots stay in the tensor as
 holes (`valid` False) that no later query attends to, and positions are counted over valid slots only.
 With batch size 1 no hole ever appears.
@@ -21,6 +21,8 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, DynamicLayer, StaticLayer
 
+from .attention import attention_layout, tree_attention_mask
+
 # With a static cache, verify blocks are padded to the next of these node counts, so the verify forward sees
 # a handful of shapes (one compiled graph each); larger blocks are padded to a multiple of the last.
 VERIFY_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -34,27 +36,6 @@ def verify_bucket(nodes: int) -> int:
         if nodes <= size:
             return size
     return -(-nodes // VERIFY_BUCKETS[-1]) * VERIFY_BUCKETS[-1]
-
-
-def attention_layout(config: PretrainedConfig | None) -> tuple[str, dict[str, int | None]]:
-    """How a model consumes masks: one tensor for all layers, or a dict keyed by `config.layer_types`.
-
-    Returns ("tensor", {"all": window}) or ("by_layer_type", {layer_type: window}); window None = full.
-    """
-    if config is None:
-        return "tensor", {"all": None}
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types:
-        kinds = set(layer_types)
-        unknown = kinds - {"full_attention", "sliding_attention"}
-        if unknown:
-            raise ValueError(f"layer types {sorted(unknown)} of model_type {config.model_type!r} are not "
-                             "supported by tree verification (only full and sliding-window attention)")
-        if "sliding_attention" in kinds:
-            return "by_layer_type", {"full_attention": None, "sliding_attention": window}
-        return "tensor", {"all": None}
-    return "tensor", {"all": window}
 
 
 class RoomyLayer(DynamicLayer):
@@ -273,36 +254,17 @@ class KVState:
             layer.keys, layer.values = self._unified[2 * i], self._unified[2 * i + 1]
 
     def mask(self, query_pos: torch.Tensor, attend: torch.Tensor, dtype: torch.dtype):
-        """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, size + N].
+        """Additive 4D mask(s) for queries at `query_pos` [B, N] allowed to see `attend` [B, N, size + N], placed
+        after the cache's slots (`infer.attention.tree_attention_mask`).
 
         A static cache's masks span its whole capacity (the slots after the block are never seen) and are
         written into buffers kept per block size."""
-        b, n = query_pos.shape
-        width = self.capacity if self.static else self._size + n
-        if self.static:  # the slots after the block are never seen
-            full = attend.new_zeros(b, n, width)
-            full[:, :, :attend.shape[2]] = attend
-            attend = full
-        else:
-            attend = attend.clone()
+        n = query_pos.shape[1]
         self._reserve(n)
-        key_pos = self._pos[:, :width].clone()
-        key_pos[:, self._size:self._size + n] = query_pos
-        # A query always sees itself, so no softmax row is empty (padding queries included).
-        slots = self._size + torch.arange(n, device=attend.device)
-        attend[:, torch.arange(n, device=attend.device), slots] = True
-        masks = {}
-        for name, window in self.windows.items():
-            allowed = attend
-            if window is not None:
-                allowed = allowed & (query_pos[:, :, None] - key_pos[:, None, :] < window)
-            out = self._masks.get((name, n)) if self.static else None
-            if out is None or out.dtype != dtype or out.shape[0] != b:
-                out = torch.empty(b, 1, n, width, dtype=dtype, device=attend.device)
-                if self.static:
-                    self._masks[(name, n)] = out
-            masks[name] = additive_mask(allowed, dtype, out=out)
-        return masks["all"] if self.layout == "tensor" else masks
+        width = self.capacity if self.static else self._size + n
+        return tree_attention_mask(query_pos, attend, dtype, key_pos=self._pos[:, :width], start=self._size,
+                                   windows=self.windows, layout=self.layout,
+                                   buffers=self._masks if self.static else None)
 
     def forward(self, model, position_ids: torch.Tensor, attend: torch.Tensor, node_valid: torch.Tensor, *args,
                 dtype: torch.dtype | None = None, **inputs):
@@ -406,27 +368,6 @@ class KVState:
                 layer.batch_select_indices(rows)
         self._valid, self._pos, self.length = self._valid[rows], self._pos[rows], self.length[rows]
         self._masks.clear()
-
-
-def additive_mask(allowed: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
-    """A boolean attention pattern [B, Q, K] (True = may attend) as the additive [B, 1, Q, K] float mask
-    attention layers take: 0 where allowed, the dtype's most negative value elsewhere. With `out`, written
-    into that buffer."""
-    if out is None:
-        out = torch.empty(allowed.shape[0], 1, *allowed.shape[1:], dtype=dtype, device=allowed.device)
-    out.zero_()
-    return out.masked_fill_(~allowed[:, None], torch.finfo(dtype).min)
-
-
-def prompt_tree(attention_mask: torch.Tensor):
-    """depth, ancestors and node validity that make a left-padded prompt one causal block."""
-    # attention_mask: [B, P]
-    valid = attention_mask.bool()
-    p = valid.shape[1]
-    depth = (valid.long().cumsum(1) - 1).clamp(min=0)
-    causal = torch.ones(p, p, dtype=torch.bool, device=valid.device).tril()
-    ancestors = causal[None] & valid[:, None, :]
-    return depth, ancestors, valid
 
 
 def forward_block(model, kv: KVState, depth, ancestors, node_valid, *, input_ids=None, inputs_embeds=None,

@@ -15,8 +15,8 @@ import heads
 from heads.dflash.model import block_attention, block_positions
 from heads.dflash.objective import DFlashObjective
 from infer import SelfSpecModel
+from infer.attention import additive_mask
 from infer.drafting import TargetStep
-from infer.kv import additive_mask
 from infer.sampling import SamplingParams
 from train.config import load_config
 

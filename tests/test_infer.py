@@ -531,7 +531,8 @@ def test_scored_nodes_through_lookup_first():
 def test_commit_keeps_exactly_the_accepted_path(path):
     """A commit keeps the accepted path's K/V at the block's start, moved there when it is not already the
     block's first slots, and drops the rest: the cache then equals a plain forward over the kept tokens."""
-    from infer.kv import KVState, forward_block, prompt_tree
+    from infer.attention import prompt_tree
+    from infer.kv import KVState, forward_block
 
     target = tiny_model("llama")
     ids = torch.tensor([[5, 9, 14, 22, 31]])

@@ -14,9 +14,10 @@ from torch import nn
 from heads.eagle3.lean import LeanEagle3
 from heads.eagle3.lean import why_not as eagle3_why_not
 from infer import SelfSpecModel
+from infer.attention import prompt_tree
 from infer.cpu import lean_forward, linear
 from infer.drafters import self_draft
-from infer.kv import KVState, forward_block, prompt_tree
+from infer.kv import KVState, forward_block
 
 LEAN = ["llama", "qwen2", "mistral"]
 IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])

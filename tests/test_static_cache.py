@@ -18,7 +18,8 @@ from test_sampling import PROMPT, V, chi_square_p, drafters, exact_joint
 import heads
 import infer.engine
 from infer import SelfSpecModel
-from infer.kv import VERIFY_BUCKETS, KVState, forward_block, prompt_tree, verify_bucket
+from infer.attention import prompt_tree
+from infer.kv import VERIFY_BUCKETS, KVState, forward_block, verify_bucket
 
 # a drafter of every shape of verify block: chains (n-gram, a draft model), a tree from the suffix cache,
 # and lookahead's window of scored nodes beside its guesses

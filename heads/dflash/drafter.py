@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import torch
 
+from infer.attention import prompt_tree
 from infer.drafters.chain import chain_tree
-from infer.kv import KVState, prompt_tree
+from infer.kv import KVState
 from infer.sampling import logits_to_probs, sample
 from infer.tree import DraftTree
 

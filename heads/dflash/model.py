@@ -8,7 +8,7 @@ from torch import nn
 from transformers import DynamicCache, Qwen3Config
 from transformers.models.qwen3 import modeling_qwen3
 
-from infer.kv import additive_mask
+from infer.attention import additive_mask
 
 from ..base import DrafterModel
 from ..layers import call_layer, rotary_embeddings

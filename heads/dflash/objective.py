@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from heads.losses import StepStats, label_rank, positions, sample_places, segments, token_loss
-from infer.kv import additive_mask
+from infer.attention import additive_mask
 
 from .model import block_attention
 

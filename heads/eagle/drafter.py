@@ -33,8 +33,9 @@ import math
 
 import torch
 
+from infer.attention import prompt_tree
 from infer.cpu import lean_forward, linear
-from infer.kv import KVState, prompt_tree
+from infer.kv import KVState
 from infer.tree import DraftTree, tree_from_paths
 
 from ..base import HeadDrafter

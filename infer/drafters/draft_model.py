@@ -7,9 +7,10 @@ import warnings
 
 import torch
 
+from ..attention import prompt_tree
 from ..cpu.lean_forward import LeanForward, Unsupported
 from ..drafting import Drafter, TargetStep
-from ..kv import KVState, forward_block, prompt_tree
+from ..kv import KVState, forward_block
 from ..sampling import logits_to_probs, sample
 from ..tree import DraftTree
 from .adaptive import AdaptiveLength, forward_bytes, modelled_cost

@@ -17,7 +17,8 @@ import warnings
 
 import torch
 
-from ..kv import forward_block, prompt_tree
+from ..attention import prompt_tree
+from ..kv import forward_block
 from ..tree import DraftTree
 from .chain import chain_tree
 from .draft_model import DraftModelDrafter

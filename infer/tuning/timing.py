@@ -19,10 +19,11 @@ from .. import engine as engine_module
 from .. import kv as kv_module
 from .. import target as target_module
 from .. import verify as verify_module
+from ..attention import prompt_tree
 from ..cpu import argmax_head, lean_forward, linear
 from ..drafters.none import NoDrafter
 from ..drafting import TargetStep
-from ..kv import KVState, cache_argument, forward_block, prompt_tree
+from ..kv import KVState, cache_argument, forward_block
 from ..sampling import SamplingParams
 from ..target import generation_mode, max_positions
 from .cache import config_hash, device_name, digest, fingerprint, read_cache, write_cache

@@ -30,7 +30,8 @@ def static_forward_cost(model, context: int, sizes: list[int], repeats: int, com
     """Median seconds of one verify-shaped forward over n tree nodes on the engine's static KV cache
     (`SelfSpecModel(static_cache=True)`: masks over the whole capacity, blocks written in place, then
     forgotten), eagerly or through `torch.compile` (one graph per n, compiled in the warm-up run)."""
-    from infer.kv import VERIFY_ROOM, KVState, prompt_tree
+    from infer.attention import prompt_tree
+    from infer.kv import VERIFY_ROOM, KVState
 
     vocab = model.config.get_text_config().vocab_size
     g = torch.Generator().manual_seed(0)
