@@ -1,9 +1,9 @@
 """Benchmark speculative decoding against transformers' own decoding: `python scripts/bench.py --help`.
 
-The benchmark is the library module train/bench/ (its cli module's docstring is the manual); this file only
+The benchmark is the library module train/apps/bench/ (its cli module's docstring is the manual); this file only
 calls it.
 """
 
-from train.bench import main
+from train.apps.bench import main
 
 raise SystemExit(main())

@@ -1,8 +1,8 @@
 """Batched greedy generation, transformers against selfspec: `python scripts/bench_batches.py --help`.
 
-The library module train/bench/batches.py does the work; this file only calls it.
+The library module train/apps/bench/batches.py does the work; this file only calls it.
 """
 
-from train.bench.batches import main
+from train.apps.bench.batches import main
 
 raise SystemExit(main())

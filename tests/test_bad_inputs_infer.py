@@ -19,7 +19,7 @@ from transformers import GenerationConfig
 from heads import calibrate_cli, publish
 from infer import DraftModelDrafter, LookupFirstDrafter, NgramDrafter, SelfSpecModel
 from infer.drafters.adaptive import AdaptiveLength
-from train import bench, serve
+from train.apps import bench, serve
 
 IDS = torch.tensor([[5, 9, 14, 5, 9, 20]])
 # the modules behind the scripts a row's command line runs

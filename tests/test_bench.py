@@ -1,4 +1,4 @@
-"""The benchmark (train/bench/, `python scripts/bench.py`) on a tiny target: output structure, greedy-equality
+"""The benchmark (train/apps/bench/, `python scripts/bench.py`) on a tiny target: output structure, greedy-equality
 checking, CLI exit codes."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from conftest import VOCAB, tiny_model
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from train import bench
-from train.bench import harness, methods
+from train.apps import bench
+from train.apps.bench import harness, methods
 
 SPECIALS = ["<pad>", "<s>", "</s>", "<user>", "<assistant>", "<unk>"]
 CHAT = ("{% for m in messages %}<{{ m['role'] }}> {{ m['content'] }} {% endfor %}"

@@ -12,8 +12,8 @@ import torch
 from infer import random_target
 from infer.drafters.oracle import expected_tokens_per_step
 from infer.random_target import SHAPES, build_random_target, parameter_bytes, shape_config
-from train import bench
-from train.bench import gpu
+from train.apps import bench
+from train.apps.bench import gpu
 
 
 def test_shapes_are_sized_before_allocation_and_built_as_the_real_models():

@@ -1,4 +1,4 @@
-"""The trainer benchmark's own parts (train/bench/trainer_*.py): rows cut to a budget, each trainer's features from
+"""The trainer benchmark's own parts (train/apps/bench/trainer_*.py): rows cut to a budget, each trainer's features from
 one forward at the right layers, the run records (skip, resume, fresh start) with stub trainers, the commands and
 configs handed to each framework, and the report. The peers themselves run only in the slow test, which needs
 `make peers`."""
@@ -16,11 +16,11 @@ from conftest import tiny_model
 from train_fixtures import char_tokenizer, conversations, write_messages
 
 from heads.eagle3.config import default_feature_layers
-from train.bench import trainer_frameworks as frameworks
-from train.bench.trainer_data import capture, layouts, prepare_rows, speculators_train_ratio, write_rows
-from train.bench.trainer_report import run_row, summary, to_markdown
-from train.bench.trainer_runs import Runner, read_run, run
-from train.bench.trainers import check_manifest
+from train.apps.bench import trainer_frameworks as frameworks
+from train.apps.bench.trainer_data import capture, layouts, prepare_rows, speculators_train_ratio, write_rows
+from train.apps.bench.trainer_report import run_row, summary, to_markdown
+from train.apps.bench.trainer_runs import Runner, read_run, run
+from train.apps.bench.trainers import check_manifest
 from train.data import load_rows, read_conversations, samples_fingerprint, tokenize_conversations
 from train.features import FeatureCache
 
@@ -239,7 +239,7 @@ SMOLLM2_CONFIG = {"hidden_size": 576, "intermediate_size": 1536, "num_attention_
 
 @pytest.fixture
 def setup(tmp_path):
-    from train.bench.trainer_data import Layouts
+    from train.apps.bench.trainer_data import Layouts
 
     return frameworks.Setup(work=tmp_path, rows_file=tmp_path / "rows.jsonl", rows=100,
                             layouts=Layouts(tmp_path / "spec", tmp_path / "sf", tmp_path / "feat", "key"),
@@ -283,7 +283,7 @@ def test_every_drafter_is_measured_at_every_tree_and_kept(tmp_path):
     """tau counts the decoding steps after the prefill; a measurement is read back; an unreadable checkpoint is
     recorded as an import error, not raised."""
     import heads
-    from train.bench.trainer_eval import SETTINGS, TREES, measure
+    from train.apps.bench.trainer_eval import SETTINGS, TREES, measure
 
     target, tok = tiny_model("llama"), char_tokenizer()
     heads.build("eagle3", target, tokenizer=tok).save_pretrained(tmp_path / "drafter")

@@ -1,4 +1,4 @@
-"""The demo's choices (train/demo.py, `make demo`) that do not need the real target: which prompts it trains, calibrates and
+"""The demo's choices (train/apps/demo.py, `make demo`) that do not need the real target: which prompts it trains, calibrates and
 benchmarks on, the drafting tree it saves (calibrated where it can be, hand-picked where not), the `none` row
 its benchmark sets beside every drafter, and the plain warnings for a drafter that learned too little or does
 not pay."""
@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerFast
 
 import heads
 from infer import SelfSpecModel
-from train import demo
+from train.apps import demo
 
 
 def chat_tokenizer() -> PreTrainedTokenizerFast:

@@ -31,7 +31,7 @@ from foreign_checkpoints import target_model
 import heads
 from heads import export, export_cli, folders, publish
 from heads.export import export_formats
-from train import serve
+from train.apps import serve
 
 ROOT = Path(__file__).resolve().parent.parent
 KIND = {"speculators": "eagle3", "sglang": "eagle3", "vllm": "medusa", "dflash": "dflash"}

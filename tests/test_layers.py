@@ -1,4 +1,5 @@
-"""The packages' imports point one way: infer/ at the bottom, heads/ on it, train/ on heads/, scripts/ on top.
+"""The packages' imports point one way: infer/ at the bottom, heads/ on it, train/ on heads/, scripts/ on top; inside
+train/, the applications (train/apps/) on training proper.
 
 Read from the source with `ast` (function-level imports included), so a lazy import inside a function cannot
 hide an arrow that runs back up.
@@ -165,6 +166,28 @@ def test_the_reader_sees_each_form_of_import(source):
     assert ROOT / "infer" / "engine.py" in _imports(ROOT / "infer" / "probe.py", source)
 
 
+# ---- train/apps/ apart from training proper ---------------------------------------------------------------
+
+# The benchmark, serving, the demo and experiments: built on training proper (train/*.py), never under it.
+APPS = "train/apps/"
+
+
+def _reaches_into_apps(graph: dict[Path, set[Path]]) -> list[str]:
+    return [f"{_rel(a)} -> {_rel(b)}" for a, targets in graph.items() for b in targets
+            if _layer(a) == "train" and not _rel(a).startswith(APPS) and _rel(b).startswith(APPS)]
+
+
+def test_training_proper_never_imports_the_applications():
+    assert _reaches_into_apps(_graph()) == []
+
+
+@pytest.mark.parametrize("source", ["from train.apps import bench", "import train.apps.serve",
+                                    "from .apps.bench import cli"])
+def test_the_apps_check_sees_each_reach(source):
+    path = ROOT / "train" / "probe_not_a_file.py"
+    assert _reaches_into_apps({path: _imports(path, source)}), source
+
+
 # ---- scripts/ on top and thin ------------------------------------------------------------------------------
 
 LOADERS = {"spec_from_file_location", "SourceFileLoader", "run_path"}  # ways to run a file as a module by its path
@@ -203,7 +226,7 @@ def _loads_scripts_by_path(source: str) -> list[str]:
     ('sys.path += [SCRIPTS_DIR]', True),
     ('runpy.run_path("scripts/bench.py")', True),
     ('SERVE = ROOT / "scripts" / "serve.py"\nspec = spec_from_file_location("serve", SERVE)', True),
-    ('from train import serve\nsubprocess.run([sys.executable, "scripts/serve.py"])', False),
+    ('from train.apps import serve\nsubprocess.run([sys.executable, "scripts/serve.py"])', False),
     ('spec_from_file_location("fixture", HERE / "data" / "plugin.py")', False),
 ])
 def test_the_script_loader_check_sees_each_form(source, flagged):
@@ -211,7 +234,7 @@ def test_the_script_loader_check_sees_each_form(source, flagged):
 
 
 def test_tests_never_load_scripts_by_file_path():
-    """Tests import the module a script calls (train.serve, heads.calibrate_cli, ...); running a script as the
+    """Tests import the module a script calls (train.apps.serve, heads.calibrate_cli, ...); running a script as the
     command it is (subprocess) is fine."""
     found = {p.name: hits for p in sorted((ROOT / "tests").glob("*.py"))
              if (hits := _loads_scripts_by_path(p.read_text()))}
@@ -233,7 +256,7 @@ def _script_problems(source: str) -> list[str]:
 def test_the_thinness_check_sees_a_fat_script():
     fat = '"""Doc."""\nimport sys\n\n\ndef helper():\n    return 1\n\n\n' + "x = 1\n" * 45
     assert _script_problems(fat) == ["48 lines of code (at most 40)", "defines helper"]
-    assert _script_problems('"""Doc."""\n\nfrom train.serve import main\n\nraise SystemExit(main())\n') == []
+    assert _script_problems('"""Doc."""\n\nfrom train.apps.serve import main\n\nraise SystemExit(main())\n') == []
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "scripts").glob("*.py")))

@@ -58,7 +58,7 @@ def test_answer_is_required_and_checked(target):
 def test_bench_oracle_row_reports_engine_share_and_ideal(tmp_path):
     from test_bench import tiny_target, tiny_tokenizer
 
-    from train import bench
+    from train.apps import bench
 
     target, tokenizer = tiny_target(), tiny_tokenizer()
     questions = [{"question_id": 1, "category": "a", "turns": ["w10 w11 w12"]},

@@ -22,7 +22,7 @@ from heads import publish
 from infer import SelfSpecModel
 from infer.drafters import DRAFTERS
 from infer.drafters.draft_model import DraftModelDrafter
-from train import serve
+from train.apps import serve
 
 PROMPT = torch.tensor([[5, 9, 14, 5, 9, 20, 5, 9, 14, 5, 9, 31, 7, 5, 9, 14]])
 

@@ -1,4 +1,4 @@
-"""train/serve.py (scripts/serve.py): a drafter served by vLLM in one command.
+"""train/apps/serve.py (scripts/serve.py): a drafter served by vLLM in one command.
 
 Without vLLM (seconds): the command vLLM gets for each kind, and every bad input (not a drafter, a kind vLLM
 cannot serve, no vLLM environment, a port in use, vLLM dying during start-up) gets a message saying what to
@@ -31,7 +31,7 @@ import pytest
 from train_fixtures import save_tiny_target
 
 import heads
-from train import serve
+from train.apps import serve
 from train.vllm_engine import default_vllm_python
 
 ROOT = Path(__file__).resolve().parent.parent

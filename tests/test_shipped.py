@@ -11,7 +11,7 @@ from conftest import chat
 
 import heads
 from infer import SelfSpecModel
-from train.bench import batches
+from train.apps.bench import batches
 
 PROMPTS = ["Give three tips for staying healthy.", "Write a haiku about the sea, then explain it."]
 

@@ -26,13 +26,13 @@ VERBS = {
     "regenerate": ("train.regenerate", "self-distillation data: the target answers a dataset's prompts"),
     "synthesize": ("train.synthesize_prompts", "have the target write prompts where there are few"),
     "calibrate": ("heads.calibrate_cli", "choose a drafter's tree for this machine and write it into its config"),
-    "bench": ("train.bench", "benchmark drafters against the target on MT-bench or any prompts"),
-    "serve": ("train.serve", "serve a drafter with vLLM (an OpenAI-compatible server)"),
+    "bench": ("train.apps.bench", "benchmark drafters against the target on MT-bench or any prompts"),
+    "serve": ("train.apps.serve", "serve a drafter with vLLM (an OpenAI-compatible server)"),
     "export": ("heads.export_cli", "write a drafter in another project's format (speculators, SGLang, vLLM Medusa)"),
     "import": ("train.cli:import_main", "read another project's checkpoint (EAGLE, SpecForge, speculators, Medusa, DFlash) "
                             "and save it as a selfspec drafter"),
     "push": ("heads.publish", "upload a drafter to the Hugging Face Hub with its model card"),
-    "demo": ("train.demo", "the whole loop on the embedded target: distill, train, calibrate, benchmark"),
+    "demo": ("train.apps.demo", "the whole loop on the embedded target: distill, train, calibrate, benchmark"),
 }
 
 

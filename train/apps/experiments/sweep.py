@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[3]
 # name -> overrides of the base run (configs/smollm2_eagle3.yaml + BASE). One change per row.
 SETTINGS = {
     "base": {},

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from train.bench.cli import at_least
-from train.bench.report import environment, memory_floor
+from train.apps.bench.cli import at_least
+from train.apps.bench.report import environment, memory_floor
 
 AS_IT_LOADS = "drafter as it loads"
 

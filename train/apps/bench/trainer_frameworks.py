@@ -1,4 +1,4 @@
-"""The trainers the benchmark compares, each as a `train.bench.trainer_runs.Runner`: its command, resume switch,
+"""The trainers the benchmark compares, each as a `train.apps.bench.trainer_runs.Runner`: its command, resume switch,
 export and the folder selfspec imports.
 
     selfspec           train/train_heads.py with configs/smollm2_eagle3.yaml (its recommended EAGLE-3 recipe) at
@@ -13,7 +13,7 @@ export and the folder selfspec imports.
                        attention)
 
 The peers run in their own environment (`make peers`, `--peers-python`), one process each, on the features
-`train.bench.trainer_data.capture` wrote. All at TTT depth 7, a draft vocabulary of 8192 tokens, one epoch over the
+`train.apps.bench.trainer_data.capture` wrote. All at TTT depth 7, a draft vocabulary of 8192 tokens, one epoch over the
 same rows; each trainer's other settings are its own.
 """
 
@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from train.bench.trainer_data import Layouts, speculators_train_ratio
-from train.bench.trainer_runs import Runner
+from train.apps.bench.trainer_data import Layouts, speculators_train_ratio
+from train.apps.bench.trainer_runs import Runner
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PEER_CPU = Path(__file__).resolve().parent / "peer_cpu"
 TTT_DEPTH = 7
 DRAFT_VOCAB = 8192

@@ -284,7 +284,7 @@ def build_prompts(per_category: int = PER_CATEGORY, seed: int = SEED) -> list[di
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent.parent / "data" / "demo_prompts.jsonl")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "data" / "demo_prompts.jsonl")
     parser.add_argument("--per-category", type=int, default=PER_CATEGORY)
     return parser
 

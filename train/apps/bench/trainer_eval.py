@@ -38,7 +38,7 @@ def prompt_sets(tokenizer, mt_bench: str | Path, heldout: str | Path, count: int
     most `count // 8` a category (first turns), and the first `count` held-out Alpaca prompts; the calibration
     prompts are the last `calibration` held-out ones, which no measurement uses."""
     from infer.tuning.acceptance import encode_prompts, load_prompts
-    from train.bench.harness import load_questions, render
+    from train.apps.bench.harness import load_questions, render
 
     questions = load_questions(mt_bench, limit=count, per_category=max(1, count // 8))
     alpaca = load_prompts(heldout)

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import torch
 
-from train.bench.methods import BASELINE, PLD
+from train.apps.bench.methods import BASELINE, PLD
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def aggregate(records: list[dict], names: list[str], ideals: dict[str, float] | None = None) -> dict:

@@ -1,6 +1,6 @@
 """`speculators train` (speculators 0.9.0) on a CPU, run in the peers' environment (`make peers`).
 
-Run by train/bench/trainers.py as `.venv-peers/bin/python <this file> <speculators train arguments>`; it imports
+Run by train/apps/bench/trainers.py as `.venv-peers/bin/python <this file> <speculators train arguments>`; it imports
 only speculators and torch, never selfspec. The patches all undo "no accelerator, so assume CUDA":
  1. `Trainer.local_rank` (an int, 0) is used as the device (`model.to(0)`), which fails without an accelerator:
     it becomes "cpu";

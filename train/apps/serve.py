@@ -32,7 +32,7 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
-from .vllm_engine import (
+from train.vllm_engine import (
     DRAFTERLESS,
     default_vllm_python,
     die_with_parent,
@@ -42,7 +42,7 @@ from .vllm_engine import (
     vllm_model_path,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXCEPTION_LINE = re.compile(r"\b[A-Z]\w*(Error|Exception): .+")
 # vLLM's API process outlives its engine: these lines say the engine is gone and /health will never answer
 ENGINE_DEATH = re.compile(r"died unexpectedly|EngineCore encountered a fatal error|EngineDeadError")

@@ -2,7 +2,7 @@
 
 `run_bench` renders each question's turns with the chat template, runs the methods one after another on the
 same prompt (so a slow phase of the machine hits all of them alike), checks every greedy output against the
-baseline's, and hands the records to `train.bench.report.aggregate`.
+baseline's, and hands the records to `train.apps.bench.report.aggregate`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
-from train.bench.methods import BASELINE, GREEDY, ForwardCounter, Method
-from train.bench.report import aggregate
+from train.apps.bench.methods import BASELINE, GREEDY, ForwardCounter, Method
+from train.apps.bench.report import aggregate
 
 
 def load_questions(path: str | Path, limit: int = 0, categories: list[str] | None = None,

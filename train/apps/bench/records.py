@@ -21,7 +21,7 @@ def measured_settings(args, threads: int) -> dict:
     """What decides the records' numbers (not --limit, --categories or the plots: a resume may change those)."""
     sampling = {"temperature": args.temperature, "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed} \
         if args.sample else None
-    from train.bench.methods import parse_tree
+    from train.apps.bench.methods import parse_tree
 
     return {"target": args.target, "questions": str(Path(args.questions).resolve()), "dtype": args.dtype,
             "device": args.device, "threads": threads, "max_new_tokens": args.max_new_tokens,

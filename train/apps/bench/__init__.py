@@ -1,8 +1,8 @@
 """The benchmark: speculative decoding timed against transformers' own decoding, and vLLM's.
 
 The top library layer: it measures the engine (infer/), trained drafters (heads/) and vLLM's engine
-(train/vllm_engine.py), so it sits above heads/ beside training. scripts/bench.py and scripts/bench_batches.py
-only call `main`. One module per job:
+(train/vllm_engine.py), so it sits above heads/, among the applications on top of training (train/apps/).
+scripts/bench.py and scripts/bench_batches.py only call `main`. One module per job:
 
     methods   the rows: transformers' generate, SelfSpecModel with a drafter, the oracle, vLLM
     harness   questions, the interleaved timing loop, the greedy-equality check
@@ -13,8 +13,8 @@ only call `main`. One module per job:
     forward_cost  one forward's cost over n new tokens (scripts/forward_cost.py)
 """
 
-from train.bench.cli import at_least, build_parser, device, main, number_in
-from train.bench.harness import (
+from train.apps.bench.cli import at_least, build_parser, device, main, number_in
+from train.apps.bench.harness import (
     eos_ids,
     first_difference,
     load_questions,
@@ -24,7 +24,7 @@ from train.bench.harness import (
     time_methods,
     warm_up,
 )
-from train.bench.methods import (
+from train.apps.bench.methods import (
     BASELINE,
     COMPILE_SUFFIX,
                                  FP32_ARGMAX_SUFFIX,
@@ -49,7 +49,7 @@ from train.bench.methods import (
     vllm_method,
     vllm_speculation,
 )
-from train.bench.report import (
+from train.apps.bench.report import (
     acceptance_by_position,
     aggregate,
     environment,

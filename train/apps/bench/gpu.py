@@ -90,7 +90,7 @@ def bandwidth(device: torch.device, given: float | None) -> tuple[float | None, 
             if gpu in name:
                 return gbs, f"{gpu}'s published bandwidth"
         return None, f"unknown for {name}: pass --bandwidth-gbs"
-    from train.bench.report import read_bandwidth_gb_s
+    from train.apps.bench.report import read_bandwidth_gb_s
 
     return read_bandwidth_gb_s(), "measured read bandwidth (CPU)"
 
@@ -324,7 +324,7 @@ def _cell(record: dict, key: str, fmt: str) -> str:
 
 def settings_from(args) -> Settings:
     """The suite's settings from scripts/bench.py's arguments; a --tree must give depth, top_k and total_tokens."""
-    from train.bench.methods import parse_tree
+    from train.apps.bench.methods import parse_tree
 
     tree = {**EAGLE2_TREE, **parse_tree(args.tree)}
     unknown = set(tree) - set(EAGLE2_TREE)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import statistics
 
-from train.bench.trainer_eval import SETTINGS
+from train.apps.bench.trainer_eval import SETTINGS
 
 SETS = ("mt_bench", "alpaca_heldout")
 SET_LABELS = {"mt_bench": "MT", "alpaca_heldout": "held-out"}

@@ -14,7 +14,7 @@
                   trained one whose held-out accuracy says it learned too little) named in a closing verdict
 
 The steps, the prompt split and the verdicts live here, in the top library layer (the demo trains with train/
-and benchmarks with train/bench/); scripts/demo.py only calls `main`.
+and benchmarks with train/apps/bench/); scripts/demo.py only calls `main`.
 
 Everything stays on this machine: no network, nothing read from outside the repository. Outputs go to `--out`
 (runs/demo): the distilled data, the training run, the drafter in runs/demo/drafter and the benchmark
@@ -33,9 +33,9 @@ from pathlib import Path
 
 import torch
 
-from train import bench
+from train.apps import bench
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = ROOT / "data" / "demo_prompts.jsonl"
 HELD_OUT = 48  # the last prompts of the (shuffled) file are never trained on; the benchmark draws from them
 CALIBRATION = 16  # prompts after the training ones, before the held-out tail: the tree is calibrated on them

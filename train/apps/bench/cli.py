@@ -54,8 +54,8 @@ from pathlib import Path
 import torch
 
 from infer.random_target import SHAPES, shape_config
-from train.bench.harness import load_questions, run_bench
-from train.bench.methods import (
+from train.apps.bench.harness import load_questions, run_bench
+from train.apps.bench.methods import (
     BASELINE,
     COMPILE_SUFFIX,
     FP32_ARGMAX_SUFFIX,
@@ -72,8 +72,8 @@ from train.bench.methods import (
     parse_tree,
     vllm_method,
 )
-from train.bench.records import RECORDS, earlier_records, measured_settings, write_settings
-from train.bench.report import environment, memory_floor, report_mismatches, to_markdown, write_outputs
+from train.apps.bench.records import RECORDS, earlier_records, measured_settings, write_settings
+from train.apps.bench.report import environment, memory_floor, report_mismatches, to_markdown, write_outputs
 
 
 def at_least(low: int) -> Callable[[str], int]:
@@ -180,7 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--resume", action="store_true",
                         help="keep the questions an interrupted run with the same methods wrote to --out's "
                              "records.jsonl and measure only the rest")
-    gpu = parser.add_argument_group("the engine on a random-weight target (train/bench/gpu.py; nothing downloaded)")
+    gpu = parser.add_argument_group("the engine on a random-weight target (train/apps/bench/gpu.py; nothing downloaded)")
     gpu.add_argument("--random-target", type=random_shape, metavar="SHAPE",
                      help="time transformers' and selfspec's decoding, the oracle and a random EAGLE-3 drafter on a "
                           "random-weight target of this shape, built on --device: "
@@ -291,12 +291,12 @@ def main(argv=None) -> int:
 
 
 def _random_target(parser, args, argv) -> int:
-    from train.bench.gpu import run_random_target
+    from train.apps.bench.gpu import run_random_target
 
     for flag, given in (("--drafter", args.drafter), ("--vllm", args.vllm), ("--sample", args.sample),
                         ("--questions", args.questions), ("--resume", args.resume)):
         if given:
-            parser.error(f"{flag} needs a real target; --random-target runs its own rows (train/bench/gpu.py)")
+            parser.error(f"{flag} needs a real target; --random-target runs its own rows (train/apps/bench/gpu.py)")
     args.repeats = args.repeats or 3
     context = shape_config(args.random_target).max_position_embeddings
     if args.prompt_tokens + args.max_new_tokens > context:

@@ -74,7 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     import datasets
 
-    from .regenerate import regenerate
+    from train.regenerate import regenerate
 
     args = build_parser().parse_args(argv)
     rows_out = []
@@ -105,9 +105,8 @@ def train_and_measure(args, model, tokenizer, target_dir: Path, data: Path, styl
     reports and its mean accepted length drafting a chain of 3 on `held_out`. Its run goes beside `target_dir`."""
     import heads
     from infer import SelfSpecModel
-
-    from .config import load_config
-    from .train_heads import train
+    from train.config import load_config
+    from train.train_heads import train
 
     arch, root = target_dir.name, target_dir.parent
     result = train(load_config(None, {

@@ -6,15 +6,15 @@ resumes):
 
  1. rows: the target's own answers (`--data`), tokenized once with the target's chat template (the assistant-only
     loss mask, cut at `--max-length`), in file order until they hold `--budget` assistant tokens
-    (train/bench/trainer_data.py);
+    (train/apps/bench/trainer_data.py);
  2. features: one forward of the target per row, written in each trainer's layout;
  3. training: every framework (`--frameworks`) at every seed (`--seeds`), one epoch over the rows at TTT depth 7,
     each otherwise at its recommended settings; the peers in their own environment (`make peers`) with the CPU
-    patches of train/bench/peer_cpu/ (train/bench/trainer_frameworks.py); wall time and peak memory of each run
-    (train/bench/trainer_runs.py);
+    patches of train/apps/bench/peer_cpu/ (train/apps/bench/trainer_frameworks.py); wall time and peak memory of each run
+    (train/apps/bench/trainer_runs.py);
  4. measurement: each drafter imported by selfspec (heads.load, the peers' checkpoints in their own formats) and
     timed greedily alone at a 7-token chain, the 60-node tree and the tree calibrated for this machine, on MT-bench
-    and on held-out Alpaca prompts (train/bench/trainer_eval.py);
+    and on held-out Alpaca prompts (train/apps/bench/trainer_eval.py);
  5. results.md and results.json in the work folder: one row per run, the mean and spread per framework, notes.
 
     make peers
@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from train.bench.cli import at_least
-from train.bench.trainer_frameworks import FRAMEWORKS, PATCHES, PEERS, ROOT, Setup, runner
+from train.apps.bench.cli import at_least
+from train.apps.bench.trainer_frameworks import FRAMEWORKS, PATCHES, PEERS, ROOT, Setup, runner
 
 DEFAULT_WORK = "runs/bench_trainers"
 DEFAULT_DATA = ROOT / "data" / "alpaca_smollm2_distill_29k.jsonl.gz"
@@ -93,7 +93,7 @@ def main(argv=None) -> int:
 def prepare(args, work: Path):
     """Rows, the peers' target folder and every layout's features, kept where an earlier call made them."""
     from infer.embedded import EMBEDDED_NAME, embedded_folder
-    from train.bench.trainer_data import capture, layouts, peer_target, prepare_rows, write_rows
+    from train.apps.bench.trainer_data import capture, layouts, peer_target, prepare_rows, write_rows
     from train.target import load_target
 
     source = embedded_folder() if args.target == EMBEDDED_NAME else Path(args.target)
@@ -133,7 +133,7 @@ def check_manifest(work: Path, manifest: dict) -> None:
 
 def train_all(args, setup: Setup, work: Path) -> dict:
     """Every (framework, seed) run, one after another; a failed one is recorded and the rest go on."""
-    from train.bench.trainer_runs import read_run, run
+    from train.apps.bench.trainer_runs import read_run, run
 
     records = {}
     for framework in args.frameworks:
@@ -153,7 +153,7 @@ def train_all(args, setup: Setup, work: Path) -> dict:
 
 
 def measure_all(args, setup: Setup, target, tokenizer, records: dict) -> dict:
-    from train.bench.trainer_eval import measure, prompt_sets
+    from train.apps.bench.trainer_eval import measure, prompt_sets
 
     sets, calibration = prompt_sets(tokenizer, args.mt_bench, args.heldout, args.prompts, args.calibration_prompts)
     measured = {}
@@ -172,8 +172,8 @@ def measure_all(args, setup: Setup, target, tokenizer, records: dict) -> dict:
 
 
 def report(args, setup: Setup, rows, target, records: dict, measured: dict) -> int:
-    from train.bench.report import environment
-    from train.bench.trainer_report import run_row, summary, to_markdown
+    from train.apps.bench.report import environment
+    from train.apps.bench.trainer_report import run_row, summary, to_markdown
 
     table = [run_row(framework, seed, record, measured.get((framework, seed)), rows.tokens)
              for (framework, seed), (_, record) in records.items()]

@@ -1,6 +1,6 @@
 """`specforge train` and `specforge export` (SpecForge 0.2.0) on a CPU, run in the peers' environment (`make peers`).
 
-Run by train/bench/trainers.py as `.venv-peers/bin/python <this file> train --config run.yaml`; it imports only
+Run by train/apps/bench/trainers.py as `.venv-peers/bin/python <this file> train --config run.yaml`; it imports only
 SpecForge and torch, never selfspec. The one patch: SpecForge's EAGLE-3 KL loss (`LogSoftmaxLoss`) is a Triton
 kernel, and Triton has no CPU driver, so the loss module is given the plain-torch form of the same math
 (`-sum(mask * p * log_softmax(logits)) / (B * T)`, SpecForge's own reference `_compute_loss`). Everything else
