@@ -169,7 +169,7 @@ class Engine:
     @contextlib.contextmanager
     def verify_path(self):
         """(forward, name): what a greedy verify step of this engine runs the target with, set up as generate sets
-        it up (prepacked linears, the lean forward), to time a step's parts (`train.bench`). A compiled or captured
+        it up (prepacked linears, the lean forward), to time a step's parts (`train.apps.bench`). A compiled or captured
         verify runs on the static cache it was made for: there the eager forward is given, and its name says so."""
         with torch.inference_mode(), generation_mode(self.target), cpu.prepacked_linears(
                 self.target, cache=self._packed, enabled=self.cpu_prepack, stream_rows=self._stream_rows):
