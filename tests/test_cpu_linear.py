@@ -103,8 +103,8 @@ def test_streamed_rows_match_plain_linear(rows, shape):
 @pytest.mark.parametrize("rows", [1, 2, 5, 9, 16])
 @pytest.mark.parametrize("shape", [(48, 80, True), (37, 18, False)])  # in, out (tails), bias
 def test_bf16_rows_stream_as_fp32_sums_rounded_once(rows, shape):
-    """A bf16 layer's rows (one included) run on the streamed kernel: the bf16 weight widened exactly, fp32 sums,
-    one rounding to bf16; blocks past stream_rows stay torch's."""
+    """A bf16 layer's rows (one included) run on the streamed kernel: bf16 products, fp32 sums, one rounding to bf16;
+    blocks past stream_rows stay torch's."""
     kernel = _kernel()
     in_features, out_features, bias = shape
     torch.manual_seed(rows)
@@ -116,10 +116,33 @@ def test_bf16_rows_stream_as_fp32_sums_rounded_once(rows, shape):
     assert got.dtype == torch.bfloat16 and got.shape == (1, rows, out_features)
     # within one bf16 rounding of the exact product (fp32 sums in another order than the double reference)
     torch.testing.assert_close(got.double(), exact.to(torch.bfloat16).double(), rtol=2 ** -7, atol=1e-6)
-    assert torch.equal(got[0], kernel.few_rows_linear(x[0].float(), layer.weight,
+    assert torch.equal(got[0], kernel.few_rows_linear(x[0].contiguous(), layer.weight,
                                                       layer.bias.float() if bias else None).to(torch.bfloat16))
     with torch.no_grad(), linear.prepacked_linears(layer, stream_rows=rows - 1 if rows > 1 else 0):
         assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))  # torch's own
+
+
+@pytest.mark.parametrize("in_features", [64, 96, 37])  # whole 32-pairs, a tail of 32, a tail of 5
+def test_bf16_inputs_give_every_row_the_sums_it_gets_alone(in_features):
+    """bf16 inputs against bf16 weights (the pairs' products on AVX512-BF16, the widened fp32 path elsewhere): every
+    row's output is the one it gets alone, whatever the rows beside it (a verify's nodes get the bits of a step
+    of one), and within fp32 rounding of the widened inputs' path, on every build."""
+    torch.manual_seed(in_features)
+    weights = [torch.randn(out, in_features).to(torch.bfloat16) for out in (9, 4, 1)]  # blocks of 4, tail rows
+    x = torch.randn(20, in_features).to(torch.bfloat16)
+    for kernel in _builds():
+        alone = torch.cat([kernel.few_rows_linear_cat(x[r:r + 1], weights, []) for r in range(20)])
+        widened = kernel.few_rows_linear_cat(x.float(), weights, [])
+        for rows in (1, 2, 3, 4, 5, 8, 9, 13, 16, 20):
+            got = kernel.few_rows_linear_cat(x[:rows], weights, [])
+            assert got.dtype == torch.float32 and torch.equal(got, alone[:rows])
+        torch.testing.assert_close(alone, widened, rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_inputs_need_bf16_weights():
+    kernel = _kernel()
+    with pytest.raises(RuntimeError, match="a bfloat16 x goes with bfloat16 weights only"):
+        kernel.few_rows_linear(torch.randn(2, 32).to(torch.bfloat16), torch.randn(8, 32), None)
 
 
 def test_blocks_above_stream_rows_go_to_onednn():

@@ -119,13 +119,14 @@ def _forward(layer: nn.Linear, plain_forward):
 
 
 def _bf16_forward(layer: nn.Linear, x: torch.Tensor, rows: int, stream_rows: int, kernel, plain_forward):
-    """A bf16 layer on 1..stream_rows rows through the streamed kernel: the weight widened to fp32 as it streams (half
-    of fp32's bytes), fp32 products and sums, the output rounded to bf16 once, as torch's bf16 matmul rounds it.
-    torch's own bf16 GEMV on a CPU reads its weight far below the memory's pace (docs/benchmarks.md)."""
+    """A bf16 layer on 1..stream_rows rows through the streamed kernel: bf16 products (exact in fp32) summed in fp32,
+    by pairs on a CPU with AVX512-BF16 (the weight widened as it streams elsewhere), the output rounded to bf16 once,
+    as torch's bf16 matmul rounds it. torch's own bf16 GEMV on a CPU reads its weight far below the memory's pace
+    (docs/benchmarks.md)."""
     if kernel is None or not 1 <= rows <= stream_rows:
         return plain_forward(x)
     bias = None if layer.bias is None else layer.bias.float()
-    y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]).float(), layer.weight, bias)
+    y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]), layer.weight, bias)
     return y.to(torch.bfloat16).reshape(*x.shape[:-1], y.shape[-1])
 
 

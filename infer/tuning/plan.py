@@ -198,13 +198,13 @@ def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str
     bf16 = weights[0].dtype == torch.bfloat16
     runs = {  # inputs: in_features -> [n, in_features]
         "streamed": lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights],
-        "onednn": (lambda inputs: [F.linear(inputs[w.shape[1]].bfloat16(), w) for w in weights]) if bf16 else
+        "onednn": (lambda inputs: [F.linear(inputs[w.shape[1]], w) for w in weights]) if bf16 else
                   (lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed.get(w), None,
                                                                       "none", [], "") for w in weights]),
     }
     with torch.inference_mode():
         for n in ((1, *STREAM_SIZES) if bf16 else STREAM_SIZES):
-            inputs = {w.shape[1]: torch.randn(n, w.shape[1]) for w in weights}
+            inputs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=weights[0].dtype) for w in weights}
             times = {name: [] for name in runs}
             for _ in range(repeats + 1):  # the kernels alternate, so a slow spell of the machine hits both
                 for name, run in runs.items():

@@ -381,6 +381,78 @@ inline void weight_item(const float* x, const W& w, float* y, int64_t M, int64_t
   else weight_rows<1>(x, w, y, M, K, ldy, blocks * kWeightRows + (item - blocks), scale);
 }
 
+#if defined(__AVX512BF16__)
+// bf16 inputs against bf16 weights: each fp32 lane adds the products of two adjacent bf16 pairs in one instruction
+// (vdpbf16ps; a product of two bf16 values is exact in fp32), so 32 products take one instruction where widened
+// weights take two FMAs and the widening. On two cores a verify of 8 or more rows of a 1B model is bound by these
+// products, not by the weights' bytes: at 16 rows the fp32 FMAs cost 2.3 times one row's step (docs/benchmarks.md).
+// The sums are fp32 in another order than the widened path's (lane j adds inputs 2j and 2j + 1 of every 32), so
+// results differ from it by fp32 rounding only; every row's sums are the same whatever the number of rows.
+constexpr int64_t kPairLanes = 32;  // bf16 values in one 512-bit vector
+inline __m512bh load_pairs(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(p));
+}
+
+// y[r, n + b] = x[r, :] . w[n + b, :] for r < R, b < B; x: [R, K] bf16, w: [N, K] bf16.
+template <int B, int R>
+inline void tile_bf16(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t K, int64_t ldy, int64_t n) {
+  constexpr int64_t ahead = kPrefetch * sizeof(float) / sizeof(c10::BFloat16);  // the same bytes ahead as fp32's
+  constexpr int64_t far_ahead = kPrefetchL2 * sizeof(float) / sizeof(c10::BFloat16);
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + kPairLanes <= K; k += kPairLanes) {  // one 64-byte line of each weight row a step
+    __m512bh wv[B];
+    for (int b = 0; b < B; ++b) {
+      const c10::BFloat16* row = w + (n + b) * K + k;
+      wv[b] = load_pairs(row);
+      __builtin_prefetch(row + ahead, 0, 3);
+      __builtin_prefetch(row + far_ahead, 0, 1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh xv = load_pairs(x + r * K + k);
+      for (int b = 0; b < B; ++b) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[b], xv);
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    for (int r = 0; r < R; ++r) {
+      float s = sum_lanes(std::bit_cast<vec>(acc[b][r]));
+      for (int64_t t = k; t < K; ++t)  // K % kPairLanes
+        s += static_cast<float>(w[(n + b) * K + t]) * static_cast<float>(x[r * K + t]);
+      y[r * ldy + n + b] = s;
+    }
+  }
+}
+
+// Weight rows [n, n + B) against all M bf16 input rows, kInputRows at a time (the weight rows are in L1 after the
+// first pass).
+template <int B>
+void weight_rows_bf16(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K, int64_t ldy,
+                      int64_t n) {
+  for (int64_t m = 0; m < M; m += kInputRows) {
+    const c10::BFloat16* xm = x + m * K;
+    float* ym = y + m * ldy;
+    switch (std::min(kInputRows, M - m)) {
+      case 1: tile_bf16<B, 1>(xm, w, ym, K, ldy, n); break;
+      case 2: tile_bf16<B, 2>(xm, w, ym, K, ldy, n); break;
+      case 3: tile_bf16<B, 3>(xm, w, ym, K, ldy, n); break;
+      default: tile_bf16<B, 4>(xm, w, ym, K, ldy, n); break;
+    }
+  }
+}
+
+inline void weight_item_bf16(const c10::BFloat16* x, const c10::BFloat16* w, float* y, int64_t M, int64_t K,
+                             int64_t ldy, int64_t N, int64_t item) {
+  const int64_t blocks = N / kWeightRows;
+  if (item < blocks) weight_rows_bf16<kWeightRows>(x, w, y, M, K, ldy, item * kWeightRows);
+  else weight_rows_bf16<1>(x, w, y, M, K, ldy, blocks * kWeightRows + (item - blocks));
+}
+constexpr bool kBFloat16Products = true;
+#else
+constexpr bool kBFloat16Products = false;
+#endif
+
 // A weight [N, K] as few_rows_linear_cat reads it, and how: fp32 rows (no scale, no low); int8 rows with one fp32
 // scale a row [N]; int8 groups, a scale [N, K / kGroup]; 4-bit groups, uint8 [N, K / 2] with a scale and a low
 // [N, K / kGroup] each. Everything contiguous.
@@ -431,7 +503,9 @@ Format check_weight(const torch::Tensor& weight, const c10::optional<torch::Tens
 
 }  // namespace
 
-// x: [M, K] fp32; weights: [N_i, K] contiguous, each fp32, bf16 (widened exactly as it is loaded: half of fp32's
+// x: [M, K] fp32, or bf16 against bf16 weights only (then on a CPU with AVX512-BF16 the products are of bf16 pairs,
+// tile_bf16; elsewhere x is widened exactly and takes the fp32 path); weights: [N_i, K] contiguous, each fp32, bf16
+// (widened exactly as it is loaded: half of fp32's
 // bytes to stream), int8 rows with its scale [N_i], or grouped (int8 with a
 // scale [N_i, K / 32], 4-bit with a scale and a low: check_weight); fp32 products and sums either way, the weight
 // dequantized as it is loaded (a quarter of fp32's bytes to stream for int8, about a fifth for 4-bit groups);
@@ -442,8 +516,16 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
                                   const std::vector<c10::optional<torch::Tensor>>& biases,
                                   const std::vector<c10::optional<torch::Tensor>>& scales,
                                   const std::vector<c10::optional<torch::Tensor>>& lows) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == torch::kFloat, "few_rows_linear: x [M, K] float32 expected");
+  TORCH_CHECK(x_in.dim() == 2 && (x_in.scalar_type() == torch::kFloat || x_in.scalar_type() == torch::kBFloat16),
+              "few_rows_linear: x [M, K] float32 (or bfloat16, against bfloat16 weights) expected");
   TORCH_CHECK(!weights.empty(), "few_rows_linear: no weight given");
+  if (x_in.scalar_type() == torch::kBFloat16) {
+    for (const auto& w : weights)
+      TORCH_CHECK(w.scalar_type() == torch::kBFloat16, "few_rows_linear: a bfloat16 x goes with bfloat16 weights "
+                  "only (pass x as float32 for ", w.scalar_type(), " weights)");
+    if (!kBFloat16Products)  // no bf16 products on this CPU: x widened exactly, the fp32 path
+      return few_rows_linear_cat(x_in.to(torch::kFloat), weights, biases, scales, lows);
+  }
   TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "few_rows_linear: one bias (or None) per weight");
   TORCH_CHECK(scales.empty() || scales.size() == weights.size(), "few_rows_linear: one scale (or None) per weight");
   TORCH_CHECK(lows.empty() || lows.size() == weights.size(), "few_rows_linear: one low (or None) per weight");
@@ -464,7 +546,27 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
     column[i] = width;
     width += N;
   }
-  torch::Tensor y = torch::empty({M, width}, x.options());
+  torch::Tensor y = torch::empty({M, width}, x.options().dtype(torch::kFloat));
+#if defined(__AVX512BF16__)
+  if (x.scalar_type() == torch::kBFloat16) {
+    const c10::BFloat16* xb = x.data_ptr<c10::BFloat16>();
+    float* yp = y.data_ptr<float>();
+    const int64_t items = first[count], threads = at::get_num_threads();
+    at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+      size_t i = 0;
+      for (int64_t j = begin; j < end; ++j) {
+        while (j >= first[i + 1]) ++i;
+        weight_item_bf16(xb, weights[i].data_ptr<c10::BFloat16>(), yp + column[i], M, K, width, weights[i].size(0),
+                         j - first[i]);
+      }
+    });
+    for (size_t i = 0; i < biases.size(); ++i) {
+      if (biases[i].has_value() && biases[i]->defined())
+        y.narrow(1, column[i], weights[i].size(0)).add_(*biases[i]);
+    }
+    return y;
+  }
+#endif
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t items = first[count];
@@ -504,7 +606,7 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
   return y;
 }
 
-// x: [M, K] fp32, weight: [N, K] fp32 contiguous, bias: [N] or None -> [M, N]
+// x: [M, K] fp32 (or bf16 against a bf16 weight), weight: [N, K] contiguous, bias: [N] or None -> [M, N] fp32
 torch::Tensor few_rows_linear(const torch::Tensor& x_in, const torch::Tensor& weight,
                               const c10::optional<torch::Tensor>& bias) {
   return few_rows_linear_cat(x_in, {weight}, {bias}, {}, {});
