@@ -15,7 +15,9 @@ sampling over the tree, so outputs follow the target's distribution.
 
 Between 4 and 5 the host reads the device once (`_read_step`: the kept paths, their lengths and the new tokens,
 in one small tensor); greedy acceptance stays on the device, and what the host keeps (rows alive, tokens
-emitted, budgets) it keeps as Python values. On a GPU any other read would drain the queue of launched kernels.
+emitted, budgets) it keeps as Python values. On a GPU any other read would drain the queue of launched kernels. On a
+CPU (`Plan.host_acceptance`) greedy acceptance walks the tree on the host instead, from one read of the target's
+choices: there a read costs nothing and the walk fewer calls than the tensor ops.
 The captured step (`Plan.captured_step`, `infer.cuda`) replays the verify forward as a CUDA graph per node bucket,
 drafts without reads and accepts sampled deterministic drafts on the device too (`infer.verify.accept_drawn`);
 without it, sampled acceptance walks the tree on the host, where a CPU's reads cost next to nothing.
@@ -47,7 +49,14 @@ from .request import NOT_GIVEN, Settings, check_generator, check_inputs, resolve
 from .sampling import NOT_A_DISTRIBUTION, logits_to_probs, next_token
 from .target import generation_mode, max_positions
 from .tree import MALFORMED, DraftTree
-from .verify import Acceptance, accept_drawn, accept_greedy, accept_sampled, accept_typical
+from .verify import (
+    Acceptance,
+    accept_drawn,
+    accept_greedy,
+    accept_greedy_host,
+    accept_sampled,
+    accept_typical,
+)
 
 _gc_lock = threading.Lock()
 _gc_state = {"calls": 0, "enabled": False}  # generate calls under way, and whether the collector was on before them
@@ -252,8 +261,8 @@ class Engine:
         rows = self._start_rows(attention_mask, settings.max_new_tokens)
         kv = self._new_cache(input_ids, max(rows.limit))  # what the context lets the rows emit, not what was asked
         self._lean = self._lean_forward(settings)
-        stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "target_forwards": 0, "row_forwards": 0,
-                 "target_seconds": 0.0, "verify_forward": self._verify_forward_name(),
+        stats = {"draft_seconds": 0.0, "verify_seconds": 0.0, "prefill_seconds": 0.0, "target_forwards": 0,
+                 "row_forwards": 0, "target_seconds": 0.0, "verify_forward": self._verify_forward_name(),
                  "int8_argmax": self._lean is not None and self._lean.argmax_head is not None}
         if streamer is not None:
             streamer.put(input_ids.cpu())
@@ -261,7 +270,8 @@ class Engine:
         # 1. Prefill: the prompt, and the target's first token (the first root).
         tic = time.perf_counter()
         step = self._prefill(kv, input_ids, attention_mask, settings, generator, stats)
-        stats["verify_seconds"] += time.perf_counter() - tic
+        stats["prefill_seconds"] = time.perf_counter() - tic  # also in verify_seconds: the prompt's forward
+        stats["verify_seconds"] += stats["prefill_seconds"]
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
         done = self._emit(rows, [[t] for t in step.next_tokens.tolist()], settings, streamer)
@@ -343,6 +353,7 @@ class Engine:
         out = self._verify_forward_block(kv, tokens, offsets, attend, valid)
         stats["target_seconds"] += time.perf_counter() - tic  # inside the target's forward
         logits = self._constrain(out.logits[:, :n], emitted[:, None] + depth, settings)
+        walked = None  # greedy on a CPU: (acceptance, paths, tokens) from the walk on the host
         if settings.typical:
             acc = accept_typical(tree, logits, ancestors, depth, settings.sampling, generator=generator)
         elif settings.sampling.do_sample and self.captured_step and tree.q is None:  # the walk without reads
@@ -351,8 +362,9 @@ class Engine:
         elif settings.sampling.do_sample:
             acc = accept_sampled(tree, logits, ancestors, settings.sampling, generator)
         else:
-            acc = accept_greedy(tree, logits, ancestors, depth)
-        seen = _read_step(tree, acc)
+            walked = accept_greedy_host(tree, logits) if self.plan.host_acceptance else None
+            acc = accept_greedy(tree, logits, ancestors, depth) if walked is None else walked[0]
+        seen = _read_step(tree, acc) if walked is None else _Read([len(path) for path in walked[1]], walked[1], walked[2])
         if acc.rewind is not None:
             acc.rewind(seen.lengths)
         acc = acc.trimmed(max(seen.lengths))

@@ -160,3 +160,6 @@ class Plan:
     batch_drafting: Callable[[int], dict | None] | None = None
     # the verify forward over static buffers per node bucket (CUDA graphs on a GPU), and drafting without host reads
     captured_step: bool = False
+    # greedy acceptance walks the tree on the host, from one read of the target's choices: where the target runs on
+    # a CPU, a read costs nothing and a Python walk fewer calls than the device's tensor ops (`verify.accept_greedy_host`)
+    host_acceptance: bool = False

@@ -37,7 +37,10 @@ def settle(target, drafter, options: EngineOptions) -> Plan:
     if options.draft_batches is None and hasattr(drafter, "as_drafter") and calibration and calibration.get("measured"):
         drafted = drafter.config.resolve_tree({**drafter.config.tree, **(tree or {})})  # the tree it drafts
         settled = replace(settled, batch_drafting=BatchDrafting(target, drafter, drafted, prepack))
-    return replace(settled, captured_step=captured_step(target, settled.options))
+    devices, captured = target_devices(target), captured_step(target, settled.options)
+    # the captured step keeps acceptance on the device, as on a GPU (on a CPU it stands in for that path)
+    return replace(settled, captured_step=captured,
+                   host_acceptance=not captured and bool(devices) and all(d.type == "cpu" for d in devices))
 
 
 def captured_step(target, options: EngineOptions) -> bool:

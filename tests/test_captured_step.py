@@ -54,6 +54,7 @@ def test_captured_step_is_greedy_exact(arch_name, drafter, batch):
             got = model.generate(ids, attention_mask=mask, max_new_tokens=24)
             assert torch.equal(got, expected)
     assert model.last_stats["verify_forward"] == "static buffers"
+    assert not model.plan.host_acceptance  # acceptance on the device, as on a GPU
     graphs = model._verify_forward
     assert isinstance(graphs, StepGraphs) and graphs._graphs
     # one set of buffers per bucket
