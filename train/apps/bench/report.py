@@ -221,6 +221,13 @@ def write_outputs(result: dict, out_dir: str | Path, plots: bool = True) -> dict
 
 
 def environment(target, threads: int) -> dict:
+    """`machine`'s facts and where the target runs."""
+    return {**machine(threads), "device": str(target.device), "dtype": str(target.dtype).replace("torch.", "")}
+
+
+def machine(threads: int) -> dict:
+    """The CPU, the commit measured (`-dirty` where infer/ or heads/ differ from it), the versions, the date and
+    the load."""
     import transformers
 
     from infer.tuning.cache import device_name
@@ -235,7 +242,6 @@ def environment(target, threads: int) -> dict:
         commit = None
     return {"cpu": cpu, "logical_cpus": os.cpu_count(), "git_commit": commit, "torch_threads": threads, "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
-            "device": str(target.device), "dtype": str(target.dtype).replace("torch.", ""),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             # Other processes on the machine distort every timing; the 1/5/15-minute load says how much.
             "load_average": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None}
