@@ -76,6 +76,12 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
     for name in ("oracle:0.9", "oracle:0.9+static", "oracle:0.9+captured"):
         assert rows[name]["accepted_per_step"] == pytest.approx(rows[name]["expected_tau"], abs=1.2), name
         assert rows[name]["followed"] == 0 and rows[name]["fraction_of_ideal"] > 0
+        assert rows[name]["decode_fraction_of_ideal"] > 0 and rows[name]["prefill_ms"] > 0
+    for name, r in rows.items():  # decoding alone: the prompt's forward and its one token left out
+        if "decode_tau" in r:
+            assert r["decode_tau"] == pytest.approx((r["new_tokens"] - 1) / (r["target_forwards"] - 1)), name
+            assert r["decode_ms_per_step"] * (r["target_forwards"] - 1) < 1000 * max(r["seconds_all"]), name
+    assert "decode_tau" not in rows["hf_eager"]  # transformers' generate says nothing of its prefill
     tree = rows["oracle_tree:0.9"]
     assert tree["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 6, 8, 60))
     assert tree["accepted_per_step"] == pytest.approx(tree["expected_tau"], abs=1.2)

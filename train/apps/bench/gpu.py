@@ -233,6 +233,8 @@ def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers
             sync(device)
             record = records[name]
             record.setdefault("seconds_all", []).append(time.perf_counter() - tic)
+            if "prefill_seconds" in stats:  # the engine's: the prompt's forward, which no drafting speeds up
+                record.setdefault("prefill_seconds_all", []).append(stats["prefill_seconds"])
             record.update(new_tokens=len(new), target_forwards=stats["target_forwards"],
                           verify_forward=stats.get("verify_forward", "transformers generate"),
                           first_difference_vs_hf=first_difference(new, answers["hf_eager"]))
@@ -263,12 +265,23 @@ def summarize(result: dict) -> None:
         r["tau"] = r["new_tokens"] / r["target_forwards"]
         if floor_ms is not None:
             r["floor_share"] = floor_ms / r["ms_per_step"]
+        prefill = r.get("prefill_seconds_all")
+        if prefill and r["target_forwards"] > 1:  # decoding alone: the prompt's forward and its token left out
+            decoding = statistics.median(t - p for t, p in zip(r["seconds_all"], prefill, strict=True))
+            r["prefill_ms"] = 1000 * statistics.median(prefill)
+            r["decode_ms_per_step"] = 1000 * decoding / (r["target_forwards"] - 1)
+            r["decode_tokens_per_s"] = (r["new_tokens"] - 1) / decoding
+            r["decode_tau"] = (r["new_tokens"] - 1) / (r["target_forwards"] - 1)
     for r in rows.values():
         for ref in ("hf_eager", "hf_static", "none"):
             if "tokens_per_s" in r and "tokens_per_s" in rows.get(ref, {}):
                 r[f"speedup_vs_{ref}"] = r["tokens_per_s"] / rows[ref]["tokens_per_s"]
         if "expected_tau" in r and "tokens_per_s" in r and "tokens_per_s" in rows.get("none", {}):
             r["fraction_of_ideal"] = r["tokens_per_s"] / (r["tau"] * rows["none"]["tokens_per_s"])
+            if "decode_tokens_per_s" in r and "decode_tokens_per_s" in rows["none"]:
+                # the same, decoding alone: its tau in tokens for the price of one `none` decoding step
+                r["decode_fraction_of_ideal"] = r["decode_tokens_per_s"] / (
+                    r["decode_tau"] * rows["none"]["decode_tokens_per_s"])
 
 
 def verify_by_width(target, context: int, repeats: int) -> dict:
@@ -301,13 +314,16 @@ def to_markdown(result: dict) -> str:
              + (f"{floor:.2f} ms ({result['bandwidth_source']}, {result['bandwidth_gb_s']:g} GB/s)" if floor else
                 f"unknown ({result['bandwidth_source']})"), "",
              "| row | tokens/s | ms/step | tau | tokens per drafting step | expected | vs hf_eager | vs hf_static | "
-             "floor share | first diff vs hf |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "floor share | prefill ms | decoding ms/step | of ideal | of ideal, decoding | first diff vs hf |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, r in result["rows"].items():
         if "tokens_per_s" not in r:
-            lines.append(f"| {name} | {r.get('skipped') or r.get('error', 'not run')} |" + " |" * 9)
+            lines.append(f"| {name} | {r.get('skipped') or r.get('error', 'not run')} |" + " |" * 13)
             continue
         cells = [_cell(r, key, fmt) for key, fmt in (("accepted_per_step", ".2f"), ("expected_tau", ".2f"), ("speedup_vs_hf_eager", ".2f"),
                                                      ("speedup_vs_hf_static", ".2f"), ("floor_share", ".0%"),
+                                                     ("prefill_ms", ".1f"), ("decode_ms_per_step", ".2f"),
+                                                     ("fraction_of_ideal", ".0%"), ("decode_fraction_of_ideal", ".0%"),
                                                      ("first_difference_vs_hf", "d"))]
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['tau']:.2f} | "
                      + " | ".join(cells) + " |")
