@@ -84,3 +84,17 @@ def test_invalid_values(override, match):
 def test_missing_config_file():
     with pytest.raises(ValueError, match="does not exist"):
         load_config("nope.yaml")
+
+
+def test_auto_mixed_precision_is_bf16_only_where_the_hardware_multiplies_bf16(monkeypatch):
+    from train import train_heads
+
+    monkeypatch.setattr(train_heads.torch.cuda, "is_available", lambda: False)
+    for cpu_has_bf16, want in ((True, "bf16"), (False, "no")):
+        monkeypatch.setattr(train_heads, "cpu_multiplies_bf16", lambda has=cpu_has_bf16: has)
+        assert train_heads.resolve_mixed_precision("auto") == want
+    for setting in ("no", "bf16", "fp16"):  # as asked
+        assert train_heads.resolve_mixed_precision(setting) == setting
+    monkeypatch.setattr(train_heads.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(train_heads.torch.cuda, "is_bf16_supported", lambda: False)
+    assert train_heads.resolve_mixed_precision("auto") == "no"

@@ -70,7 +70,7 @@ class TrainConfig:
     warmup_steps: int = 0  # linear warm-up steps
     lr_schedule: str = "cosine"  # after warm-up: cosine | linear | constant
     max_grad_norm: float = 1.0  # gradient clipping (0 = off)
-    mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16 (fp16 needs a GPU)
+    mixed_precision: str = "no"  # accelerate mixed precision: no | bf16 | fp16 (fp16 needs a GPU) | auto (bf16 where the hardware multiplies bf16 natively: a CUDA GPU with bf16, a CPU with AVX512-BF16 or AMX; else no)
     seed: int = 0  # seeds model init, data order and noise
 
     # --- logging, evaluation, checkpoints ---
@@ -273,7 +273,7 @@ def validate(config: TrainConfig) -> None:
         "features": ("online", "offline"),
         "loss": ("hard", "soft", "both"),
         "lr_schedule": ("cosine", "linear", "constant"),
-        "mixed_precision": ("no", "bf16", "fp16"),
+        "mixed_precision": ("no", "bf16", "fp16", "auto"),
         "report_to": ("none", "wandb"),
         "target_dtype": ("float32", "bfloat16", "float16"),
         "feature_dtype": ("float32", "bfloat16", "float16"),
