@@ -17,6 +17,7 @@ from train_fixtures import char_tokenizer, conversations, write_messages
 
 from heads.eagle3.config import default_feature_layers
 from train.apps.bench import trainer_frameworks as frameworks
+from train.apps.bench import trainers
 from train.apps.bench.trainer_data import capture, layouts, prepare_rows, speculators_train_ratio, write_rows
 from train.apps.bench.trainer_report import run_row, summary, to_markdown
 from train.apps.bench.trainer_runs import Runner, read_run, run
@@ -267,6 +268,19 @@ def test_every_framework_trains_at_ttt_depth_seven_on_one_epoch(setup, tmp_path)
         assert ("--no-norm-before-fc" in argv) == (name == "speculators-paper")
     with pytest.raises(ValueError, match="unknown framework"):
         frameworks.runner("medusa", setup, 0)
+
+
+def test_a_variant_of_selfspecs_recipe_comes_after_the_recipe_and_is_named_by_it(setup, tmp_path):
+    import dataclasses
+
+    variant = dataclasses.replace(setup, selfspec_overrides=("batch_size=2", "mixed_precision=bf16"))
+    argv = frameworks.runner("selfspec", variant, 0).train(tmp_path / "run", False)
+    assert argv[-2:] == ["batch_size=2", "mixed_precision=bf16"]  # after the recipe's own settings: they win
+    assert "save_every=5" in argv  # 100 rows in steps of 2: a tenth of its 50 steps
+    assert frameworks.selfspec_label(variant.selfspec_overrides) == "selfspec[batch_size=2,mixed_precision=bf16]"
+    assert frameworks.selfspec_label(()) == "selfspec"
+    with pytest.raises(SystemExit):
+        trainers.main(["--selfspec-set", "batch_size", "--no-measure", "--frameworks", "selfspec"])
 
 
 def test_speculators_drafter_is_its_newest_numbered_checkpoint(tmp_path):

@@ -13,10 +13,16 @@ near-tie. The trees:
 
 tau = new tokens after the prefill's / decoding steps after the prefill (each step's accepted drafts plus its
 bonus token), summed over a prompt set: the papers' mean accepted length.
+
+Run alone, it measures any drafters (a shipped name, a folder, a hub id) the same way, e.g. the shipped drafter at
+the anchors' trees for its model card:
+
+    python scripts/bench_trees.py --drafter smollm2-135m-instruct-eagle3 --prompts 16 --out runs/trees
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -110,3 +116,49 @@ def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]]
                           for setting, tree in trees.items()}}
     out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from train.apps.bench.cli import at_least
+    from train.apps.bench.trainers import DEFAULT_HELDOUT, DEFAULT_MT_BENCH
+
+    parser = argparse.ArgumentParser(description="Drafters measured by selfspec's engine at the anchors' trees (a "
+                                     "7-token chain, EAGLE-2's 60-node tree) and the tree calibrated for this machine")
+    parser.add_argument("--drafter", action="append", required=True,
+                        help="a shipped drafter's name, a folder or a hub id (any format selfspec imports); repeatable")
+    parser.add_argument("--target", default="smollm2-135m-instruct", help="the target's name or folder")
+    parser.add_argument("--mt-bench", default=str(DEFAULT_MT_BENCH), help="MT-bench questions (jsonl)")
+    parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out prompts, never trained on")
+    parser.add_argument("--prompts", type=at_least(1), default=16,
+                        help="prompts measured per set (MT-bench: the first, at most prompts/8 a category)")
+    parser.add_argument("--calibration-prompts", type=at_least(1), default=16,
+                        help="the last held-out prompts, which the calibrated tree is chosen on")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    parser.add_argument("--threads", type=at_least(1), default=2)
+    parser.add_argument("--out", default="runs/trees", help="folder for one tau file per drafter and results.json")
+    return parser
+
+
+def main(argv=None) -> int:
+    from infer.loading import resolve_target
+
+    args = build_parser().parse_args(argv)
+    for flag, path in (("--mt-bench", args.mt_bench), ("--heldout", args.heldout)):
+        if not Path(path).is_file():
+            raise SystemExit(f"{flag} {path} does not exist")
+    torch.set_num_threads(args.threads)
+    target, tokenizer = resolve_target(args.target)
+    sets, calibration = prompt_sets(tokenizer, args.mt_bench, args.heldout, args.prompts, args.calibration_prompts)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results, failed = {}, False
+    for drafter in args.drafter:
+        name = Path(drafter).name or drafter
+        results[drafter] = measure(drafter, target, tokenizer, sets, calibration, args.max_new_tokens,
+                                   out / f"tau-{name.replace('/', '--')}.json")
+        failed |= "import_error" in results[drafter]
+        tau_by_set = {setting: {s: v["tau"] for s, v in r.items()}
+                      for setting, r in results[drafter].get("tau", {}).items()}
+        print(f"{drafter}: {json.dumps(results[drafter].get('import_error') or tau_by_set)}", flush=True)
+    (out / "results.json").write_text(json.dumps({"settings": vars(args), "results": results}, indent=2) + "\n")
+    return 1 if failed else 0

@@ -78,6 +78,9 @@ class Setup:
     peers_python: Path
     speculators_seq_len: int
     python: Path = Path(sys.executable)
+    # key=value settings of train/train_heads.py after the recipe's (a variant of selfspec's recipe, measured on the
+    # same rows: its runs go to folders of their own, `selfspec_label`)
+    selfspec_overrides: tuple[str, ...] = ()
 
 
 def runner(name: str, setup: Setup, seed: int) -> Runner:
@@ -108,14 +111,22 @@ def every(steps: int) -> int:
 
 
 # ---- selfspec ---------------------------------------------------------------------------------------------------
+def selfspec_label(overrides: tuple[str, ...]) -> str:
+    """The name of selfspec's runs: "selfspec", or with a variant's settings, "selfspec[key=value,...]"."""
+    return f"selfspec[{','.join(overrides)}]" if overrides else "selfspec"
+
+
 def selfspec_command(setup: Setup, seed: int, folder: Path, resume: bool) -> list[str]:
-    steps = -(-setup.rows // SELFSPEC_BATCH)
+    batch = next((int(o.split("=", 1)[1]) for o in reversed(setup.selfspec_overrides) if o.startswith("batch_size=")),
+                 SELFSPEC_BATCH)
+    steps = -(-setup.rows // batch)
     argv = [str(setup.python), str(ROOT / "train" / "train_heads.py"), "--config", str(SELFSPEC_CONFIG),
             f"target={setup.target_name}", f"data={setup.rows_file}", f"max_length={setup.max_length}",
             f"ttt_steps={TTT_DEPTH}", "epochs=1", "max_steps=0", "eval_fraction=0",
             f"drafter_options={{draft_vocab_size: {DRAFT_VOCAB}}}", "features=offline",
             f"feature_cache_dir={setup.layouts.selfspec_root}", f"output_dir={folder / 'out'}", f"seed={seed}",
-            f"save_every={every(steps)}", "keep_checkpoints=2", "progress_bar=false", "log_every=10"]
+            f"save_every={every(steps)}", "keep_checkpoints=2", "progress_bar=false", "log_every=10",
+            *setup.selfspec_overrides]
     return [*argv, "--resume"] if resume else argv
 
 

@@ -32,14 +32,20 @@ from pathlib import Path
 import torch
 
 from train.apps.bench.cli import at_least
-from train.apps.bench.trainer_frameworks import FRAMEWORKS, PATCHES, PEERS, ROOT, Setup, runner
+from train.apps.bench.trainer_frameworks import (
+    FRAMEWORKS,
+    PATCHES,
+    PEERS,
+    ROOT,
+    Setup,
+    runner,
+    selfspec_label,
+)
 
 DEFAULT_WORK = "runs/bench_trainers"
 DEFAULT_DATA = ROOT / "data" / "alpaca_smollm2_distill_29k.jsonl.gz"
 DEFAULT_HELDOUT = ROOT / "data" / "alpaca_heldout_prompts.jsonl"
-# The shared copy until one is in data/.
-DEFAULT_MT_BENCH = next((p for p in (ROOT / "data" / "mt_bench.jsonl", ROOT.parent / "shared" / "data" / "mt_bench.jsonl")
-                         if p.is_file()), ROOT / "data" / "mt_bench.jsonl")
+DEFAULT_MT_BENCH = ROOT / "data" / "mt_bench.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,6 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--speculators-seq-len", type=at_least(16), default=2048,
                         help="speculators' packed tokens a step (--total-seq-len; its GPU default 8192 would make a "
                              "CPU budget a handful of steps)")
+    parser.add_argument("--selfspec-set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="a variant of selfspec's recipe: train/train_heads.py settings after the recipe's (e.g. "
+                             "batch_size=2 mixed_precision=bf16); its runs are named selfspec[KEY=VALUE,...] and sit "
+                             "beside the recipe's in the same work folder, on the same rows")
     parser.add_argument("--no-measure", action="store_true", help="train only; measure on a later call")
     return parser
 
@@ -76,6 +86,9 @@ def main(argv=None) -> int:
     if PEERS & set(args.frameworks) and not Path(args.peers_python).is_file():
         parser.error(f"--peers-python {args.peers_python} does not exist: build the peers' environment with "
                      "`make peers`, or leave out --frameworks " + " ".join(sorted(PEERS & set(args.frameworks))))
+    bad = [o for o in args.selfspec_set if "=" not in o or o.startswith("=")]
+    if bad:
+        parser.error(f"--selfspec-set takes KEY=VALUE settings of train/train_heads.py, not {bad}")
     for flag, path in (("--data", args.data), ("--mt-bench", args.mt_bench), ("--heldout", args.heldout)):
         if not args.no_measure or flag == "--data":
             if not Path(path).is_file():
@@ -113,7 +126,7 @@ def prepare(args, work: Path):
                   peer_target=peer_target(source, work / "target"),
                   target_config=json.loads((source / "config.json").read_text()), max_length=args.max_length,
                   threads=args.threads, peers_python=Path(args.peers_python).absolute(),
-                  speculators_seq_len=args.speculators_seq_len)
+                  speculators_seq_len=args.speculators_seq_len, selfspec_overrides=tuple(args.selfspec_set))
     return setup, rows, target, tokenizer
 
 
@@ -138,7 +151,8 @@ def train_all(args, setup: Setup, work: Path) -> dict:
     records = {}
     for framework in args.frameworks:
         for seed in args.seeds:
-            folder = work / "runs" / f"{framework}-seed{seed}"
+            label = selfspec_label(setup.selfspec_overrides) if framework == "selfspec" else framework
+            folder = work / "runs" / f"{label}-seed{seed}"
             print(f"[train] {framework} seed {seed}: {folder}", flush=True)
             try:
                 record = run(runner(framework, setup, seed), folder, {"seed": seed})
@@ -175,7 +189,8 @@ def report(args, setup: Setup, rows, target, records: dict, measured: dict) -> i
     from train.apps.bench.report import environment
     from train.apps.bench.trainer_report import run_row, summary, to_markdown
 
-    table = [run_row(framework, seed, record, measured.get((framework, seed)), rows.tokens)
+    label = lambda f: selfspec_label(setup.selfspec_overrides) if f == "selfspec" else f  # noqa: E731
+    table = [run_row(label(framework), seed, record, measured.get((framework, seed)), rows.tokens)
              for (framework, seed), (_, record) in records.items()]
     env = environment(target, args.threads)
     notes = [f"{len(rows.samples)} rows of {Path(args.data).name}, {rows.assistant_tokens} assistant tokens "
