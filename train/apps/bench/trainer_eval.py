@@ -36,6 +36,9 @@ TREES = {
 CALIBRATED = "calibrated"
 SETTINGS = (*TREES, CALIBRATED)
 TAU_FILE = "tau.json"
+DATA = Path(__file__).resolve().parents[3] / "data"
+DEFAULT_MT_BENCH = DATA / "mt_bench.jsonl"
+DEFAULT_HELDOUT = DATA / "alpaca_heldout_prompts.jsonl"
 
 
 def prompt_sets(tokenizer, mt_bench: str | Path, heldout: str | Path, count: int,
@@ -120,7 +123,6 @@ def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]]
 
 def build_parser() -> argparse.ArgumentParser:
     from train.apps.bench.cli import at_least
-    from train.apps.bench.trainers import DEFAULT_HELDOUT, DEFAULT_MT_BENCH
 
     parser = argparse.ArgumentParser(description="Drafters measured by selfspec's engine at the anchors' trees (a "
                                      "7-token chain, EAGLE-2's 60-node tree) and the tree calibrated for this machine")

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from train.apps.bench.cli import at_least
+from train.apps.bench.trainer_eval import DEFAULT_HELDOUT, DEFAULT_MT_BENCH
 from train.apps.bench.trainer_frameworks import (
     FRAMEWORKS,
     PATCHES,
@@ -44,8 +45,6 @@ from train.apps.bench.trainer_frameworks import (
 
 DEFAULT_WORK = "runs/bench_trainers"
 DEFAULT_DATA = ROOT / "data" / "alpaca_smollm2_distill_29k.jsonl.gz"
-DEFAULT_HELDOUT = ROOT / "data" / "alpaca_heldout_prompts.jsonl"
-DEFAULT_MT_BENCH = ROOT / "data" / "mt_bench.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
