@@ -216,7 +216,7 @@ def test_engine_output_same_on_the_streamed_kernel(arch, monkeypatch):
 def test_the_avx2_code_matches_plain_linear_too():
     """The kernel keeps a narrower tile without AVX-512 (16 vector registers, not 32). On an AVX-512 machine
     that code is built with -mno-avx512f and checked here; elsewhere the native build is that code."""
-    if "avx512f" not in linear._cpu_flags().split():
+    if "avx512f" not in linear.cpu_flags().split():
         pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
     kernel = linear.build_kernel(("-mno-avx512f",))
     if kernel is None:
@@ -322,7 +322,7 @@ def test_groups_hold_a_gguf_grid_exactly_and_other_weights_within_half_a_step():
 def _builds():
     """The native build, and on an AVX-512 machine the AVX2 code built with -mno-avx512f as well."""
     builds = [_kernel()]
-    if "avx512f" in linear._cpu_flags().split():
+    if "avx512f" in linear.cpu_flags().split():
         avx2 = linear.build_kernel(("-mno-avx512f",))
         builds += [avx2] if avx2 is not None else []
     return builds

@@ -406,7 +406,7 @@ def test_few_rows_attention_edge_rows_and_bad_input():
 
 
 def test_few_rows_attention_in_the_avx2_code():
-    if "avx512f" not in linear._cpu_flags().split():
+    if "avx512f" not in linear.cpu_flags().split():
         pytest.skip("no AVX-512 here: the tests above run the AVX2 code")
     kernel = linear.build_kernel(("-mno-avx512f",))
     if kernel is None:

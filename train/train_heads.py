@@ -129,12 +129,10 @@ def resolve_mixed_precision(setting: str) -> str:
 
 
 def cpu_multiplies_bf16() -> bool:
-    """Whether this CPU has bf16 multiply instructions (x86 AVX512-BF16 or AMX-BF16, from /proc/cpuinfo's flags)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    """Whether this CPU has bf16 multiply instructions (x86 AVX512-BF16 or AMX-BF16)."""
+    from infer.cpu.linear import cpu_flags
+
+    flags = cpu_flags().split()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 

@@ -204,7 +204,7 @@ def build_kernel(extra_cflags: tuple[str, ...] = ()):
 
     source = KERNEL_SOURCE.read_bytes()
     flags = ["-O3", "-march=native", *extra_cflags, "-fopenmp"]
-    key = hashlib.sha256(source + _cpu_flags().encode() + torch.__version__.encode()
+    key = hashlib.sha256(source + cpu_flags().encode() + torch.__version__.encode()
                          + " ".join(flags).encode()).hexdigest()[:12]
     name = f"selfspec_few_rows_{key}"
     folder = cache_dir() / "kernels" / name
@@ -242,7 +242,9 @@ def _ninja_on_path():
         os.environ["PATH"] = saved
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
+    """This CPU's instruction-set flags: /proc/cpuinfo's `flags` (x86) or `Features` (Arm) line, else the platform's
+    name for the processor."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
