@@ -111,3 +111,15 @@ def test_import_saves_another_projects_checkpoint_as_ours(tmp_path):
     with pytest.raises(SystemExit):  # never over an existing folder
         cli.main(["import", str(tmp_path / "eagle3"), "--target", str(tmp_path / "target"),
                   "--out", str(tmp_path / "ours")])
+
+
+@pytest.mark.slow  # the real SmolLM2-135M target, 128 new tokens
+def test_the_readmes_python_snippet_runs_for_real(tmp_path, monkeypatch, capsys):
+    """README.md's Python snippet, as written, from a folder where `make demo` left its drafter (the shipped drafter
+    saved there stands in for it)."""
+    (snippet,) = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    heads.load("smollm2-135m-instruct-eagle3").save_pretrained(tmp_path / "runs" / "demo" / "drafter")
+    monkeypatch.chdir(tmp_path)
+    exec(compile(snippet, str(ROOT / "README.md"), "exec"), {"__name__": "readme"})
+    tau = float(capsys.readouterr().out.strip().splitlines()[-1])
+    assert tau >= 1.0
