@@ -121,6 +121,20 @@ def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]]
     return result
 
 
+def add_measure_options(parser: argparse.ArgumentParser) -> None:
+    """The prompt sets, their sizes and the new tokens of a measurement (`prompt_sets`, `measure`), for every command
+    that measures drafters this way."""
+    from train.apps.bench.cli import at_least
+
+    parser.add_argument("--mt-bench", default=str(DEFAULT_MT_BENCH), help="MT-bench questions (jsonl)")
+    parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out prompts, never trained on")
+    parser.add_argument("--prompts", type=at_least(1), default=16,
+                        help="prompts measured per set (MT-bench: the first, at most prompts/8 a category)")
+    parser.add_argument("--calibration-prompts", type=at_least(1), default=16,
+                        help="the last held-out prompts, which the calibrated tree is chosen on")
+    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from train.apps.bench.cli import at_least
 
@@ -129,13 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--drafter", action="append", required=True,
                         help="a shipped drafter's name, a folder or a hub id (any format selfspec imports); repeatable")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="the target's name or folder")
-    parser.add_argument("--mt-bench", default=str(DEFAULT_MT_BENCH), help="MT-bench questions (jsonl)")
-    parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out prompts, never trained on")
-    parser.add_argument("--prompts", type=at_least(1), default=16,
-                        help="prompts measured per set (MT-bench: the first, at most prompts/8 a category)")
-    parser.add_argument("--calibration-prompts", type=at_least(1), default=16,
-                        help="the last held-out prompts, which the calibrated tree is chosen on")
-    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    add_measure_options(parser)
     parser.add_argument("--threads", type=at_least(1), default=2)
     parser.add_argument("--out", default="runs/trees", help="folder for one tau file per drafter and results.json")
     return parser

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from train.apps.bench.cli import at_least
-from train.apps.bench.trainer_eval import DEFAULT_HELDOUT, DEFAULT_MT_BENCH
+from train.apps.bench.trainer_eval import add_measure_options
 from train.apps.bench.trainer_frameworks import (
     FRAMEWORKS,
     PATCHES,
@@ -58,13 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-length", type=at_least(2), default=384, help="tokens per row (longer rows are cut)")
     parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS))
     parser.add_argument("--seeds", nargs="+", type=at_least(0), default=[0, 1])
-    parser.add_argument("--mt-bench", default=str(DEFAULT_MT_BENCH), help="MT-bench questions (jsonl)")
-    parser.add_argument("--heldout", default=str(DEFAULT_HELDOUT), help="held-out prompts, never trained on")
-    parser.add_argument("--prompts", type=at_least(1), default=16,
-                        help="prompts measured per set (MT-bench: the first, at most prompts/8 a category)")
-    parser.add_argument("--calibration-prompts", type=at_least(1), default=16,
-                        help="the last held-out prompts, which the calibrated tree is chosen on")
-    parser.add_argument("--max-new-tokens", type=at_least(1), default=128)
+    add_measure_options(parser)
     parser.add_argument("--threads", type=at_least(1), default=2, help="torch threads of every run and measurement")
     parser.add_argument("--peers-python", default=str(ROOT / ".venv-peers" / "bin" / "python"),
                         help="the peers' environment's python (`make peers`)")
