@@ -89,7 +89,11 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
     assert set(widths) == {"path", "1", "2", "4", "8", "16", "32"} and widths["path"] == rows["none"]["verify_forward"]
     assert rows["none_captured"]["verify_forward"] == "static buffers"  # what ran, per row
     assert rows["hf_eager"]["verify_forward"] == "transformers generate"
-    assert result["memory_floor_ms"] > 0 and result["bandwidth_source"] == "measured read bandwidth (CPU)"
+    # the floor from the fastest of the readings taken before the rows and before each round
+    readings = result["bandwidth_readings_gb_s"]
+    assert len(readings) == 1 + result["settings"]["repeats"] and result["bandwidth_gb_s"] == max(readings)
+    assert result["memory_floor_ms"] == pytest.approx(1000 * result["step_weight_gb"] / max(readings))
+    assert result["bandwidth_source"].startswith(f"measured read bandwidth (CPU), the best of {len(readings)}")
     assert result["settings"]["tree"] == gpu.EAGLE2_TREE and result["settings"]["compile"] is False
     md = (out / "results.md").read_text()
     assert "| oracle_tree:0.9 |" in md and "verify forward by width" in md
