@@ -152,11 +152,11 @@ class Engine:
         # the drafter that runs forwards of its own (lookup-first wraps one)
         own = self.drafter.primary if isinstance(self.drafter, LookupFirstDrafter) else self.drafter
         self._own = own
+        self.captured_step = plan.captured_step
         if options.compile:
             self._compile(own)
-        self.captured_step = plan.captured_step
         if plan.captured_step:  # the verify forward over static buffers per bucket; drafting reads nothing
-            self._verify_forward = cuda.StepGraphs(target)
+            self._verify_forward = cuda.StepGraphs(target, compiled=options.compile)
             own.sync_free = True
         self._packed = cpu.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
@@ -168,11 +168,12 @@ class Engine:
         self.last_stats: dict = {}
 
     def _compile(self, own: Drafter) -> None:
-        """The drafter's own forwards compiled where it has any, and with a static cache the verify forward."""
+        """The drafter's own forwards compiled where it has any, and with a static cache the verify forward (on the
+        captured step, by the graphs' seam: `cuda.StepGraphs(compiled=True)`)."""
         if not own.compile_forwards() and not self.static_cache:
             warnings.warn(f"compile=True: a {type(self.drafter).__name__} runs no forward of its own to compile "
                           "and without static_cache the verify is not compiled; nothing is compiled", stacklevel=4)
-        if self.static_cache:
+        if self.static_cache and not self.captured_step:
             self._verify_forward = _CompiledForward(self.target)
 
     @contextlib.contextmanager
@@ -400,9 +401,11 @@ class Engine:
 
     def _verify_forward_name(self) -> str:
         """What runs the verify forward now: "cuda graphs", "static buffers" (the captured step uncaptured, on a
-        CPU), "compiled", "lean" (the CPU's own forward) or "transformers" (the model's modules)."""
+        CPU), either "... of the compiled forward" (the fused captured step), "compiled", "lean" (the CPU's own
+        forward) or "transformers" (the model's modules)."""
         if isinstance(self._verify_forward, cuda.StepGraphs):
-            return "cuda graphs" if self._verify_forward.capture else "static buffers"
+            ran = "cuda graphs" if self._verify_forward.capture else "static buffers"
+            return f"{ran} of the compiled forward" if self._verify_forward.compiled else ran
         if isinstance(self._verify_forward, _CompiledForward):
             return "compiled"
         return "lean" if self._lean is not None else "transformers"

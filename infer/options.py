@@ -38,8 +38,9 @@ class EngineOptions:
 
     `compile`: run the drafter's own one-token forwards through `torch.compile` where it has any (the draft-model
     and self-drafters: `bf16`, `int8`, `int4`, `early_exit`, ...), and with `static_cache` the target's verify
-    forward too (one graph per bucket; CUDA graphs on a GPU). The first generate pays the compiles. A compiler
-    failure falls back to eager with one warning. On a CPU the compiled verify has not paid (docs/benchmarks.md).
+    forward too (one graph per bucket; on the captured step, the forward its graphs capture). The first generate
+    pays the compiles. A compiler failure falls back to eager with one warning. On a CPU the compiled verify has not
+    paid (docs/benchmarks.md).
 
     `static_cache`: the target's KV cache is preallocated for the whole generation and committed in place (True:
     room for prompt + max_new_tokens, rounded up to 256 slots but never past the target's context, and kept for
@@ -89,8 +90,9 @@ class EngineOptions:
     `infer.engine.VERIFY_BUCKETS` node count, captured as a CUDA graph per bucket on a GPU and replayed every step
     (`infer.cuda.StepGraphs`), and the drafter drafts without host reads (`infer.drafting.Drafter.sync_free`); an
     EAGLE or EAGLE-3 drafter's forwards after the prompt's run the same way over a static cache of its own. On a
-    CPU the same buffers run uncaptured, which only tests the path. None = on for a CUDA target with `static_cache`
-    and without `compile` (whose CUDA graphs would capture the same forward); True with `compile` is an error.
+    CPU the same buffers run uncaptured, which only tests the path. With `compile`, the forward each graph captures
+    is the target's compiled one (inductor's fused kernels, without inductor's own CUDA graphs): the fused captured
+    step. None = on for a CUDA target with `static_cache`.
     """
 
     typical_acceptance: bool = False
@@ -120,8 +122,6 @@ class EngineOptions:
         if self.captured_step and self.static_cache is False:
             raise ValueError("captured_step=True needs static_cache (True or a number of tokens): graphs are captured "
                              "over the preallocated cache")
-        if self.captured_step and self.compile:
-            raise ValueError("captured_step=True and compile=True both capture the verify forward; pass one of them")
         if self.tree is not None and not isinstance(self.tree, dict) and self.tree != "calibrated":
             raise ValueError(f"tree must be a dict of tree settings, 'calibrated' or None, got {self.tree!r}")
         if self.tokenizer is not None and not callable(getattr(self.tokenizer, "get_vocab", None)):

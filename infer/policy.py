@@ -45,8 +45,8 @@ def settle(target, drafter, options: EngineOptions) -> Plan:
 
 def captured_step(target, options: EngineOptions) -> bool:
     """Whether the step runs captured (`EngineOptions.captured_step`): as asked, else on a target on one CUDA device
-    with a static cache and no `compile` (whose own CUDA graphs would capture the verify forward), where launches and
-    host reads, not the weights' bytes, bound a step's time. A graph replays one device's work: a target spread over
+    with a static cache (with `compile`, its graphs capture the compiled forward), where launches and host reads, not
+    the weights' bytes, bound a step's time. A graph replays one device's work: a target spread over
     devices, or offloaded, is not captured (asking for it is refused)."""
     devices = target_devices(target)
     if options.captured_step is not None:
@@ -54,8 +54,7 @@ def captured_step(target, options: EngineOptions) -> bool:
             raise ValueError(f"captured_step=True: the target's weights lie on {sorted(map(str, devices))}, and a CUDA "
                              "graph replays one device's work; load the target on one GPU, or pass captured_step=False")
         return options.captured_step
-    return (bool(options.static_cache) and not options.compile and len(devices) == 1
-            and next(iter(devices)).type == "cuda")
+    return bool(options.static_cache) and len(devices) == 1 and next(iter(devices)).type == "cuda"
 
 
 class BatchDrafting:

@@ -197,15 +197,33 @@ def test_the_nucleus_without_a_read_is_the_one_from_the_head(top_p):
 def test_captured_step_options_are_checked_and_settled():
     with pytest.raises(ValueError, match="captured_step=True needs static_cache"):
         EngineOptions(captured_step=True, static_cache=False)
-    with pytest.raises(ValueError, match="both capture the verify forward"):
-        EngineOptions(captured_step=True, static_cache=True, compile=True)
     with pytest.raises(ValueError, match="captured_step must be True, False or None"):
         EngineOptions(captured_step="yes", static_cache=True)
     target = tiny_model("llama")
     assert not captured_step(target, EngineOptions(static_cache=True))  # None: off on a CPU
+    assert not captured_step(target, EngineOptions(static_cache=True, compile=True))
     assert captured_step(target, EngineOptions(static_cache=True, captured_step=True))
     with pytest.raises(ValueError, match="a CUDA graph needs a CUDA target"):
         StepGraphs(target, capture=True)
+
+
+@pytest.mark.parametrize("drafter", ["none", "eagle3"])
+def test_the_fused_captured_step_is_greedy_exact(drafter):
+    """`compile=True` with the captured step: the forward its graphs capture is the target's compiled one (inductor,
+    no CUDA graphs of its own), run here on the kept buffers uncaptured. Greedy output is the target's own, call after
+    call (the second reuses the buffers and their compiled forwards), and the path says what ran."""
+    target = tiny_model("llama")
+    ids, mask = left_pad(prompts(1))
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+    model = captured(target, CAPTURED_DRAFTERS[drafter](target), compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a compile that failed would fall back to eager with a warning: not here
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=16), expected)
+    assert model.last_stats["verify_forward"] == "static buffers of the compiled forward"
+    graphs = model._verify_forward
+    assert graphs.compiled and graphs._run is not target and graphs._graphs
+    assert "verify_fallback" not in model.last_stats
 
 
 # ---------------------------------------------------------------- on a GPU
@@ -228,6 +246,25 @@ def test_captured_step_fp32_is_greedy_exact_on_a_gpu(drafter):
     assert model.last_stats["verify_forward"] == "cuda graphs"
     graphs = model._verify_forward
     assert all(g.graph is not None for g in graphs._graphs.values())
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("drafter", ["none", "eagle3"])
+def test_the_fused_captured_step_is_greedy_exact_on_a_gpu(drafter):
+    """fp32: the graphs replay the compiled forward (`compile=True`, the default captured step on a GPU), and give
+    transformers' output, call after call."""
+    target = tiny_model("llama").cuda()
+    ids, mask = left_pad(prompts(3))
+    ids, mask = ids.cuda(), mask.cuda()
+    expected = target.generate(ids, attention_mask=mask, max_new_tokens=32, do_sample=False)
+    model = SelfSpecModel(target, CAPTURED_DRAFTERS[drafter](target), static_cache=True, compile=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(2):
+            assert torch.equal(model.generate(ids, attention_mask=mask, max_new_tokens=32), expected)
+    assert model.last_stats["verify_forward"] == "cuda graphs of the compiled forward"
+    assert all(g.graph is not None for g in model._verify_forward._graphs.values())
 
 
 @pytest.mark.gpu
@@ -287,7 +324,8 @@ def test_the_captured_static_path_is_the_default_on_one_cuda_device_only(monkeyp
     on("cuda:0")
     assert plan.static_cache_for(target, options) is True
     assert policy.captured_step(target, replace(options, static_cache=True))
-    assert not policy.captured_step(target, replace(options, static_cache=True, compile=True))
+    # with compile, the graphs capture the compiled forward: the fused captured step
+    assert policy.captured_step(target, replace(options, static_cache=True, compile=True))
     assert plan.static_cache_for(target, replace(options, static_cache=False)) is False  # as asked
     for spread in (("cuda:0", "cuda:1"), ("cuda:0", "cpu")):  # split, or offloaded by accelerate's device_map
         on(*spread)

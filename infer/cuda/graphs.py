@@ -8,6 +8,9 @@ write counters (`StaticLayer.cumulative_length`, device tensors) and the attenti
 a verify block is padded to one of a few node counts (`infer.engine.VERIFY_BUCKETS`). The rest of the forward's
 inputs (token ids, position ids, cache positions) are copied into buffers kept per bucket.
 
+With `compiled`, the forward captured is the target's compiled one (`torch.compile`, inductor's fused kernels without
+its own CUDA graphs): a verify forward of a few fused kernels instead of ~1,200 small ones, replayed as one launch.
+
 `StepGraphs` stands where the target's forward would: `KVState.forward` calls it with the target's keywords. An
 EAGLE drafter's forwards go through one of their own the same way (`heads.eagle.drafter.EagleDrafter.capture_forwards`):
 a draft depth's block has the tree's fixed frontier width and observe's is padded to a power of two, over a static
@@ -49,11 +52,18 @@ class StepGraphs:
     writes into buffers that are gone. The output of a replay is overwritten by the next one of any of its graphs
     (they share one memory pool): read it before the next forward."""
 
-    def __init__(self, target, capture: bool | None = None):
+    def __init__(self, target, capture: bool | None = None, compiled: bool = False):
         self._orig_mod = target  # where `infer.kv.cache_argument` looks for the model class
         self.capture = target.device.type == "cuda" if capture is None else capture
         if self.capture and target.device.type != "cuda":
             raise ValueError(f"a CUDA graph needs a CUDA target; this one is on {target.device}")
+        # `compiled`: the forward captured is the target's through torch.compile, fixed shapes (a graph per block
+        # shape, as the capture keys them), inductor's fused kernels without its own CUDA graphs, which would capture
+        # the same forward a second time. A function calling the target is compiled, not the module, which would
+        # leave a flag on the user's model.
+        self.compiled = compiled
+        self._run = torch.compile(lambda *args, **kwargs: target(*args, **kwargs), dynamic=False) if compiled \
+            else target
         self._graphs: dict[tuple, _Graph] = {}  # by input shapes, mask buffers and other keywords
         self._cache_key: tuple | None = None  # the KV buffers and counters the graphs were captured over
         self._pool = None  # one memory pool for all keys: one forward replays one graph, whose outputs it reads first
@@ -108,7 +118,7 @@ class StepGraphs:
         return graph.output
 
     def _forward(self, graph: _Graph, attention_mask, cache, name: str, plain: dict):
-        return self._orig_mod(*graph.args, attention_mask=attention_mask, **{name: cache}, **graph.inputs, **plain)
+        return self._run(*graph.args, attention_mask=attention_mask, **{name: cache}, **graph.inputs, **plain)
 
     def _record(self, graph: _Graph, attention_mask, cache, name: str, plain: dict) -> None:
         """Warm up on a side stream, then capture one forward. Both advance the layers' write counters and write
