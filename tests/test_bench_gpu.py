@@ -94,6 +94,9 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
     assert len(readings) == 1 + result["settings"]["repeats"] and result["bandwidth_gb_s"] == max(readings)
     assert result["memory_floor_ms"] == pytest.approx(1000 * result["step_weight_gb"] / max(readings))
     assert result["bandwidth_source"].startswith(f"measured read bandwidth (CPU), the best of {len(readings)}")
+    # each reading the faster of a buffer's and the step's own weights'
+    assert len(result["weights_read_gb_s"]) == len(readings)
+    assert all(r >= w > 0 for r, w in zip(readings, result["weights_read_gb_s"], strict=True))
     assert result["settings"]["tree"] == gpu.EAGLE2_TREE and result["settings"]["compile"] is False
     md = (out / "results.md").read_text()
     assert "| oracle_tree:0.9 |" in md and "verify forward by width" in md
@@ -171,3 +174,7 @@ def test_a_steps_bytes_leave_out_an_untied_input_embedding():
                                           num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False))
     every = sum(p.numel() * p.element_size() for p in untied.parameters())
     assert gpu.step_bytes(untied) == every - 512 * 64 * 4
+    assert all(p is not untied.get_input_embeddings().weight for p in gpu.step_weights(untied))
+    # the step's own weights read as they lie: bf16 as fp32 pairs, an odd count or another dtype as it is
+    assert gpu.weights_read_gb_s([torch.ones(64, 64, dtype=torch.bfloat16), torch.ones(7, dtype=torch.bfloat16),
+                                  torch.ones(5)], passes=1) > 0

@@ -12,8 +12,10 @@ round, so a slow phase of the machine hits all of them alike):
                        a GPU (torch.compile, CUDA graphs): the fastest plain decoding it offers (not on a CPU,
                        or with --no-compile)
     none               SelfSpecModel(target, "none"): the engine's own plain step
-    none_static        the same on its static cache, its verify forward compiled (not with --no-compile)
     none_captured      the same with the captured step (`captured_step=True`: CUDA graphs per node bucket)
+    none_static        the same on its static cache, its verify forward compiled (not with --no-compile)
+    none_captured_compiled  the captured step of the compiled forward (`compile=True` too: fused kernels, one
+                       replay; not with --no-compile)
     oracle:<a>         OracleDrafter(a, depth 8): drafting free, acceptance set by a, chains
     oracle_tree:<a>    the oracle in a tree of EAGLE-2's size (depth 6, top-8, 60 nodes)
     oracle:<a>+static  the middle alpha's chain on the static, compiled path; +captured on the captured step
@@ -148,8 +150,10 @@ def engine_row(target, ids, name: str, what: str, settings: Settings, drafter, a
 def check_path(options: dict, stats: dict, device: torch.device) -> None:
     """Refuse a row whose warm-up did not run the verify path it asked for: a capture or compile that fell back to
     eager would be timed under the wrong label."""
-    wanted = ({"cuda graphs"} if device.type == "cuda" else {"static buffers"}) if options.get("captured_step") \
-        else {"compiled"} if options.get("compile") and options.get("static_cache") else None
+    captured = "cuda graphs" if device.type == "cuda" else "static buffers"
+    wanted = {captured + (" of the compiled forward" if options.get("compile") else "")} \
+        if options.get("captured_step") else {"compiled"} if options.get("compile") and options.get("static_cache") \
+        else None
     ran = stats.get("verify_forward")
     if wanted is not None and ran not in wanted:
         raise RuntimeError(f"asked for the {' or '.join(sorted(wanted))} verify forward, ran {ran!r}"
@@ -173,6 +177,10 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
             engine_row(target, ids, "none_static", "SelfSpecModel(target, 'none'), static cache"
                        + (", compiled verify" if settings.compile else ""), settings, lambda: "none", answers,
                        static_cache=True, compile=settings.compile)]
+    if settings.compile:  # the fused captured step: the graphs capture the compiled forward
+        rows.append(engine_row(target, ids, "none_captured_compiled", "SelfSpecModel(target, 'none'), "
+                               f"{STATIC_PATHS['+captured']}, the forward captured compiled", settings,
+                               lambda: "none", answers, static_cache=True, captured_step=True, compile=True))
     for alpha in settings.alphas:
         rows.append(engine_row(target, ids, f"oracle:{alpha:g}", f"OracleDrafter({alpha:g}), chain of "
                                f"{settings.depth}", settings,
@@ -301,14 +309,34 @@ def verify_by_width(target, context: int, repeats: int) -> dict:
     return {"path": path, **{str(n): 1000 * s for n, s in costs.items()}}
 
 
-def step_bytes(target) -> int:
-    """Bytes of weights one decoding step reads: every parameter, less an input embedding the LM head does not
-    share (a step looks up one row of it)."""
-    total = sum(p.numel() * p.element_size() for p in target.parameters())
+def step_weights(target) -> list[torch.Tensor]:
+    """The weights one decoding step reads: every parameter, less an input embedding the LM head does not share (a
+    step looks up one row of it)."""
     embedding, head = target.get_input_embeddings().weight, target.get_output_embeddings()
-    if head is None or head.weight is not embedding:
-        total -= embedding.numel() * embedding.element_size()
-    return total
+    untied = head is None or head.weight is not embedding
+    return [p for p in target.parameters() if not (untied and p is embedding)]
+
+
+def step_bytes(target) -> int:
+    """Bytes of weights one decoding step reads (`step_weights`)."""
+    return sum(p.numel() * p.element_size() for p in step_weights(target))
+
+
+def weights_read_gb_s(weights: list[torch.Tensor], passes: int = 3) -> float:
+    """GB/s of torch reading exactly these tensors once, in their own pages (the best of `passes`): the step's own
+    bytes, where a fresh buffer's reading may differ. 2-byte weights are summed as fp32 pairs (a bf16 sum runs a
+    conversion per element; an fp32 one keeps pace with the memory)."""
+    views = [w.detach().reshape(-1).view(torch.float32) if w.element_size() == 2 and w.numel() % 2 == 0
+             and w.is_contiguous() else w.detach().reshape(-1) for w in weights]
+    total = sum(v.numel() * v.element_size() for v in views)
+    best = float("inf")
+    with torch.inference_mode():
+        for _ in range(passes + 1):  # the first pass is a warm-up
+            tic = time.perf_counter()
+            for v in views:
+                v.sum()
+            best = min(best, time.perf_counter() - tic)
+    return total / best / 1e9
 
 
 def to_markdown(result: dict) -> str:
@@ -395,15 +423,23 @@ def run_random_target(args, argv=None) -> int:
     if measured:
         from train.apps.bench.report import read_bandwidth_gb_s
 
-        result["bandwidth_readings_gb_s"] = [gbs]
+        weights = step_weights(target)
+
+        def probe() -> float:  # both readings; the faster is the floor's
+            buffer, own = read_bandwidth_gb_s(), weights_read_gb_s(weights)
+            result.setdefault("weights_read_gb_s", []).append(own)
+            return max(buffer, own)
+
+        result["bandwidth_readings_gb_s"] = [probe()]
     run_suite(target, suite(target, ids, settings, answers), settings, result, answers, save, started,
-              probe=read_bandwidth_gb_s if measured else None)
+              probe=probe if measured else None)
     if measured:  # the floor from the fastest reading: the hardest to meet, read beside the rows it judges
         readings = result["bandwidth_readings_gb_s"]
         result["bandwidth_gb_s"] = max(readings)
         result["memory_floor_ms"] = 1000 * weight_bytes / (max(readings) * 1e9)
         result["bandwidth_source"] = (f"measured read bandwidth (CPU), the best of {len(readings)} readings, one "
-                                      f"before the rows and one before each round: {min(readings):.1f}-"
+                                      f"before the rows and one before each round, each the faster of a 512 MB "
+                                      f"buffer's sum and the step's own weights read once: {min(readings):.1f}-"
                                       f"{max(readings):.1f} GB/s")
     if time.perf_counter() - started > settings.budget_seconds:
         result["verify_ms_by_width"] = {"skipped": f"past the {settings.budget_seconds:g} s budget"}
