@@ -31,6 +31,20 @@ class TargetStep:
     # At the prefill only: the target's KV cache, whose layers hold the K/V of `tokens` in their first A slots
     # (a drafter whose model is a copy of the target may take them instead of computing its own). Read-only.
     prompt_cache: object | None = None
+    # The same tokens on the host, from the engine's one read of the step: per row, the valid slots' tokens, and
+    # the next root. A drafter that works on the host (prompt lookup) reads these, not the device.
+    host_tokens: list[list[int]] | None = None
+    host_next: list[int] | None = None
+
+    def on_host(self) -> tuple[list[list[int]], list[int]]:
+        """(`host_tokens`, `host_next`): from the engine's read where it gave them, else read here (a step a
+        caller made without the engine)."""
+        if self.host_tokens is None:
+            tokens, valid = self.tokens.tolist(), self.valid.tolist()
+            self.host_tokens = [[t for t, v in zip(row, keep, strict=True) if v] for row, keep in zip(tokens, valid,
+                                                                                                    strict=True)]
+            self.host_next = self.next_tokens.tolist()
+        return self.host_tokens, self.host_next
 
     def following_tokens(self) -> torch.Tensor:
         """[B, A]: for every slot, the token that follows it (the next slot's, or `next_tokens` at the end)."""

@@ -157,7 +157,7 @@ class Engine:
             self._compile(own)
         if plan.captured_step:  # the verify forward over static buffers per bucket; drafting reads nothing
             self._verify_forward = cuda.StepGraphs(target, compiled=options.compile)
-            own.sync_free = True
+            self.drafter.sync_free = True  # lookup first passes it to both of its drafters
         self._packed = cpu.PackCache()  # packed copies of the linear weights, owned here, not by modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
         self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
@@ -275,7 +275,10 @@ class Engine:
         stats["verify_seconds"] += stats["prefill_seconds"]
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
-        done = self._emit(rows, [[t] for t in step.next_tokens.tolist()], settings, streamer)
+        step.host_next = step.next_tokens.tolist()
+        step.host_tokens = [[t for t, v in zip(ids, keep, strict=True) if v]
+                            for ids, keep in zip(input_ids.tolist(), step.valid.tolist(), strict=True)]
+        done = self._emit(rows, [[t] for t in step.host_next], settings, streamer)
         self._active.bind(self.target, settings.sampling, input_ids.shape[0], generator)
         self._active.observe(step)
         rows.start_on(kv.length.device)
@@ -297,6 +300,9 @@ class Engine:
                 self.step_observer(tree, acc, budget)
             stats["target_forwards"] += 1
             stats["row_forwards"] += len(rows.alive)
+            # the step on the host, from its one read: each row's root (its last token out) and kept drafts
+            step.host_tokens = [[rows.out[r][-1], *new[:-1]] for r, new in zip(rows.alive, seen.tokens, strict=True)]
+            step.host_next = [new[-1] for new in seen.tokens]
             done = self._emit(rows, seen.tokens, settings, streamer)
             rows.accepted.extend(seen.lengths)
             rows.count_on_device = rows.count_on_device + acc.length

@@ -89,8 +89,8 @@ class HostReads(TorchFunctionMode):
 
 
 def _drafter(kind: str, target):
-    if kind == "none":
-        return "none"
+    if kind in ("none", "ngram", "suffix"):  # drafters by name: the host-side lookups
+        return kind
     drafter = heads.build(kind, target)
     torch.manual_seed(3)
     return drafter
@@ -137,14 +137,19 @@ def test_the_counter_sees_reads():
 # the tree on the device (`infer.verify.accept_drawn`); sampled drafts with their q (a draft model, DFlash's sampled
 # chain) still walk it on the host and are not counted here.
 # With `bans`, token bans (suppress_tokens, begin_suppress_tokens, min_new_tokens) apply to every step's logits.
+# Prompt lookup and suffix decoding run on the host, from the committed tokens the step's one read brought back
+# (`TargetStep.host_tokens`); "+lookup" is a trained drafter with prompt lookup first, as the shipped one loads.
 CASES = [("none", False, False), ("eagle3", False, False), ("eagle", False, False), ("medusa", False, False),
          ("dflash", False, False), ("none", True, False), ("eagle3", True, False), ("eagle", True, False),
-         ("medusa", True, False), ("none", False, True), ("eagle3", True, True)]
+         ("medusa", True, False), ("none", False, True), ("eagle3", True, True), ("ngram", False, False),
+         ("ngram", True, False), ("suffix", False, False), ("eagle3+lookup", False, False),
+         ("eagle3+lookup", True, False)]
 
 
 @pytest.mark.parametrize(("kind", "do_sample", "bans"), CASES)
 def test_one_host_read_per_step(kind, do_sample, bans):
-    counter = count_reads(kind, do_sample, bans=bans)
+    kind, _, lookup = kind.partition("+")
+    counter = count_reads(kind, do_sample, bans=bans, **({"lookup_first": True} if lookup else {}))
     steps = counter.per_step()
     assert max(steps) <= 1, f"host reads per step: {steps}; the last step's: {counter.last_step_names()}"
     assert max(counter.uploads_per_step()) == 0, f"host values copied to the device per step: {counter.uploads_per_step()}"

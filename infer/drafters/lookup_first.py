@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from ..drafting import Drafter, TargetStep
 from ..tree import DraftTree, ScoredNodes
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, to_device
 
 
 class LookupFirstDrafter(Drafter):
@@ -27,6 +28,14 @@ class LookupFirstDrafter(Drafter):
         self.feature_layers = primary.feature_layers
         self.model = getattr(primary, "model", None)  # its linears get the engine's CPU prepacking too
 
+    @property
+    def sync_free(self) -> bool:
+        return self.primary.sync_free
+
+    @sync_free.setter
+    def sync_free(self, value: bool) -> None:  # the engine's captured step: neither drafter reads the device
+        self.primary.sync_free = self.lookup.sync_free = value
+
     def check_target(self, target) -> None:
         self.primary.check_target(target)
 
@@ -40,14 +49,14 @@ class LookupFirstDrafter(Drafter):
         self.lookup.observe(step)
 
     def propose(self, budget: torch.Tensor) -> DraftTree:
-        chain, matched = self.lookup.lookup(budget)
-        use_chain = matched >= self.min_match  # [B]
-        if use_chain.all() and getattr(self.primary, "pure_propose", False):
+        chain, matched = self.lookup.lookup(budget)  # matched: on the host, as the lookup ran there
+        use_chain = [n >= self.min_match for n in matched]
+        if all(use_chain) and getattr(self.primary, "pure_propose", False):
             return chain
         tree = self.primary.propose(budget)
-        if not use_chain.any():
+        if not any(use_chain):
             return tree
-        return _pick_rows(use_chain, chain, tree)
+        return _pick_rows(to_device(np.array(use_chain), chain.tokens.device), chain, tree)
 
     def select_rows(self, rows: torch.Tensor) -> None:
         self.primary.select_rows(rows)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import torch
 
 from ..attention import prompt_tree
@@ -130,7 +131,7 @@ class StagedDrafter(DraftModelDrafter):
             if not going[row]:
                 guesses.append([])
                 continue
-            ctx = torch.cat([self.inner.context[row], torch.tensor([roots[row]] + drafts[row])])
+            ctx = np.concatenate([self.inner.context[row].tokens(), np.array([roots[row], *drafts[row]])])
             guess, _ = self.inner._lookup(ctx, self.inner.num_tokens)
             guesses.append(guess.tolist())
         width = 1 + max(len(g) for g in guesses)

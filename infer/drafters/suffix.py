@@ -50,6 +50,7 @@ import torch
 from ..drafting import Drafter, TargetStep
 from ..tree import DraftTree
 from .lookup_first import _pick_rows
+from .ngram import to_device
 from .registry import build_drafter
 
 _BOUNDARY = -1  # between cached responses; never equal to a token, so no match crosses it
@@ -342,15 +343,15 @@ class SuffixDrafter(Drafter):
         super().bind(target, sampling, batch_size, generator)
         self._retire(range(len(self.context)))  # the previous call's last rows: their responses are cached now
         self.context = [np.empty(0, dtype=np.int64)] * batch_size
-        self.keys, self.prompt_len, self.roots = [], [], None
+        self.keys, self.prompt_len, self.roots, self.host_roots = [], [], None, []
         if self.fallback is not None:
             self.fallback.bind(target, sampling, batch_size, generator)
 
     def observe(self, step: TargetStep) -> None:
-        tokens, valid = step.tokens.cpu().numpy(), step.valid.cpu().numpy()
+        committed, self.host_roots = step.on_host()  # the engine's read of the step: nothing read here
         first = not self.keys
         for b in range(len(self.context)):
-            new = tokens[b][valid[b]]
+            new = np.array(committed[b], dtype=np.int64)
             if first:
                 self.keys.append(self._next_key)
                 self._next_key += 1
@@ -364,8 +365,9 @@ class SuffixDrafter(Drafter):
             self.fallback.observe(step)
 
     def propose(self, budget: torch.Tensor) -> DraftTree:
-        roots = self.roots.cpu().tolist()
-        depth = budget.cpu().tolist()
+        roots = self.host_roots
+        # sync_free (the captured step): no read of the budget; the engine prunes each row's tree to it
+        depth = [self.size.max_spec_tokens] * len(roots) if self.sync_free else budget.tolist()
         if self.fallback is not None and getattr(self.sampling, "do_sample", False):
             # the fallback samples its drafts, so which rows take them shapes the sample: they must not depend
             # on earlier calls' responses, or one seed would give another sample on each call
@@ -377,12 +379,12 @@ class SuffixDrafter(Drafter):
         tree = self._tree(drafts)
         if self.fallback is None:
             return tree
-        use_suffix = torch.tensor([d.match >= self.min_match and bool(d.tokens) for d in drafts],
-                                  device=tree.tokens.device)
-        if use_suffix.all() and self.fallback.pure_propose:
+        use_suffix = [d.match >= self.min_match and bool(d.tokens) for d in drafts]
+        if all(use_suffix) and self.fallback.pure_propose:
             return tree
         other = self.fallback.propose(budget)
-        return _pick_rows(use_suffix, tree, other) if use_suffix.any() else other
+        return _pick_rows(to_device(np.array(use_suffix), tree.tokens.device), tree, other) if any(use_suffix) \
+            else other
 
     def _tree(self, drafts: list[Draft]) -> DraftTree:
         # tokens, parents, valid: [B, 1 + most nodes]; node 0 is the root
@@ -397,9 +399,10 @@ class SuffixDrafter(Drafter):
             parents[b, 1:k + 1] = torch.tensor(d.parents, dtype=torch.long) + 1
             valid[b, 1:k + 1] = True
         device = self.roots.device
-        tokens = tokens.to(device)
+        tokens = tokens.to(device, non_blocking=True)  # a blocking copy to a GPU would wait for its queue
         tokens[:, 0] = self.roots
-        return DraftTree(tokens=tokens, parents=parents.to(device), valid=valid.to(device))
+        return DraftTree(tokens=tokens, parents=parents.to(device, non_blocking=True),
+                         valid=valid.to(device, non_blocking=True))
 
     def select_rows(self, rows: torch.Tensor) -> None:
         keep = rows.tolist()
@@ -407,6 +410,7 @@ class SuffixDrafter(Drafter):
         self.context = [self.context[r] for r in keep]
         self.keys = [self.keys[r] for r in keep]
         self.prompt_len = [self.prompt_len[r] for r in keep]
+        self.host_roots = [self.host_roots[r] for r in keep]
         self.roots = self.roots[rows]
         if self.fallback is not None:
             self.fallback.select_rows(rows)
