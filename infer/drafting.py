@@ -35,6 +35,9 @@ class TargetStep:
     # the next root. A drafter that works on the host (prompt lookup) reads these, not the device.
     host_tokens: list[list[int]] | None = None
     host_next: list[int] | None = None
+    # and the scored nodes' (with `scored_logits`): the target's argmax at each, and `scored_valid`, on the host
+    host_scored_choice: list[list[int]] | None = None
+    host_scored_valid: list[list[bool]] | None = None
 
     def on_host(self) -> tuple[list[list[int]], list[int]]:
         """(`host_tokens`, `host_next`): from the engine's read where it gave them, else read here (a step a

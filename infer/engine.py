@@ -121,6 +121,9 @@ class _Read:
     lengths: list[int]
     paths: list[list[int]]
     tokens: list[list[int]]
+    # with scored nodes beside the tree: the target's argmax at each, and which were scored as proposed
+    scored_choice: list[list[int]] | None = None
+    scored_valid: list[list[bool]] | None = None
 
     @property
     def in_place(self) -> bool:
@@ -371,7 +374,13 @@ class Engine:
         else:
             walked = accept_greedy_host(tree, logits) if self.plan.host_acceptance else None
             acc = accept_greedy(tree, logits, ancestors, depth) if walked is None else walked[0]
-        seen = _read_step(tree, acc) if walked is None else _Read([len(path) for path in walked[1]], walked[1], walked[2])
+        scored_choice = out.logits[:, n:m].argmax(-1) if tree.scored is not None else None  # [B, E]
+        if walked is None:
+            seen = _read_step(tree, acc, scored_choice)
+        else:  # the target on a CPU: reads cost nothing
+            seen = _Read([len(path) for path in walked[1]], walked[1], walked[2])
+            if scored_choice is not None:
+                seen.scored_choice, seen.scored_valid = scored_choice.tolist(), tree.scored.valid.tolist()
         if acc.rewind is not None:
             acc.rewind(seen.lengths)
         acc = acc.trimmed(max(seen.lengths))
@@ -383,6 +392,7 @@ class Engine:
                           hidden=hidden, next_tokens=acc.bonus)
         if tree.scored is not None:  # a copy: a captured forward's logits are overwritten by the next step's
             step.scored_logits, step.scored_valid = out.logits[:, n:m].clone(), tree.scored.valid
+            step.host_scored_choice, step.host_scored_valid = seen.scored_choice, seen.scored_valid
         return step, acc, seen
 
     def _verify_forward_block(self, kv: KVState, tokens, offsets, attend, valid):
@@ -534,14 +544,18 @@ class _CompiledForward:
         return self._compiled(*args, **kwargs)
 
 
-def _read_step(tree: DraftTree, acc: Acceptance) -> _Read:
+def _read_step(tree: DraftTree, acc: Acceptance, scored_choice: torch.Tensor | None = None) -> _Read:
     """The host's one read of a verify step: the kept paths, their lengths and the new tokens, with the tree's
-    well-formedness, in one `tolist` of one small tensor (each separate read would drain a GPU's queue)."""
+    well-formedness, in one `tolist` of one small tensor (each separate read would drain a GPU's queue); with
+    `scored_choice` ([B, E], the target's argmax at scored nodes beside the tree), those and the nodes' validity
+    too, for a drafter that works on the host (lookahead's window)."""
     # path: [B, P] padded past each row's length; the new tokens are the kept drafts (not the root), then the bonus
     b, p = acc.path.shape
     flags = tree.malformed().long() + 2 * (acc.invalid.long() if acc.invalid is not None else 0)
-    packed = torch.cat([acc.length[:, None], flags[:, None], acc.bonus[:, None], acc.path,
-                        tree.tokens.gather(1, acc.path)], dim=1).tolist()
+    parts = [acc.length[:, None], flags[:, None], acc.bonus[:, None], acc.path, tree.tokens.gather(1, acc.path)]
+    if scored_choice is not None:
+        parts += [scored_choice, tree.scored.valid.long()]
+    packed = torch.cat(parts, dim=1).tolist()
     if any(row[1] & 1 for row in packed):
         raise ValueError(MALFORMED)
     if any(row[1] & 2 for row in packed):
@@ -549,7 +563,12 @@ def _read_step(tree: DraftTree, acc: Acceptance) -> _Read:
     lengths = [row[0] for row in packed]
     paths = [row[3:3 + p] for row in packed]
     tokens = [row[3 + p + 1:3 + p + n] + [row[2]] for row, n in zip(packed, lengths, strict=True)]
-    return _Read(lengths, paths, tokens)
+    seen = _Read(lengths, paths, tokens)
+    if scored_choice is not None:
+        e, at = scored_choice.shape[1], 3 + 2 * p
+        seen.scored_choice = [row[at:at + e] for row in packed]
+        seen.scored_valid = [[bool(v) for v in row[at + e:at + 2 * e]] for row in packed]
+    return seen
 
 
 def _pad_block(tokens, offsets, attend, valid, size: int):

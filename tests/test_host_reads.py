@@ -89,7 +89,7 @@ class HostReads(TorchFunctionMode):
 
 
 def _drafter(kind: str, target):
-    if kind in ("none", "ngram", "suffix"):  # drafters by name: the host-side lookups
+    if kind in ("none", "ngram", "suffix") or kind.startswith("lookahead"):  # by name: the host-side lookups
         return kind
     drafter = heads.build(kind, target)
     torch.manual_seed(3)
@@ -137,12 +137,14 @@ def test_the_counter_sees_reads():
 # the tree on the device (`infer.verify.accept_drawn`); sampled drafts with their q (a draft model, DFlash's sampled
 # chain) still walk it on the host and are not counted here.
 # With `bans`, token bans (suppress_tokens, begin_suppress_tokens, min_new_tokens) apply to every step's logits.
-# Prompt lookup and suffix decoding run on the host, from the committed tokens the step's one read brought back
-# (`TargetStep.host_tokens`); "+lookup" is a trained drafter with prompt lookup first, as the shipped one loads.
+# Prompt lookup, suffix decoding and lookahead run on the host, from what the step's one read brought back (the
+# committed tokens, `TargetStep.host_tokens`; lookahead's window: the target's argmax at its scored nodes, in the
+# same read); "+lookup" is a trained drafter with prompt lookup first, as the shipped one loads.
 CASES = [("none", False, False), ("eagle3", False, False), ("eagle", False, False), ("medusa", False, False),
          ("dflash", False, False), ("none", True, False), ("eagle3", True, False), ("eagle", True, False),
          ("medusa", True, False), ("none", False, True), ("eagle3", True, True), ("ngram", False, False),
-         ("ngram", True, False), ("suffix", False, False), ("eagle3+lookup", False, False),
+         ("ngram", True, False), ("suffix", False, False), ("lookahead:4,3,4", False, False),
+         ("lookahead:4,3,4", True, False), ("eagle3+lookup", False, False),
          ("eagle3+lookup", True, False)]
 
 

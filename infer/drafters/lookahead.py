@@ -123,27 +123,31 @@ class LookaheadDrafter(Drafter):
         self.windows: list[np.ndarray] = []  # per row: [levels, window] tokens
         self.age: list[int] = []  # per row: window updates so far
         self.tails: list[list[int]] = []  # per row: the last ngram - 1 committed tokens
-        self.roots = None
+        self.roots, self.host_roots = None, []
 
     def observe(self, step: TargetStep) -> None:
-        tokens, valid = step.tokens.cpu().numpy(), step.valid.cpu().numpy()
+        # the step on the host, from the engine's one read of it: nothing of the device is read here
+        committed, self.host_roots = step.on_host()
         if not self.windows:  # the prefill: windows start from the prompt's own tokens
-            for b in range(len(tokens)):
-                prompt = tokens[b][valid[b]]
-                self.windows.append(self.rng.choice(prompt, size=(self.levels, self.window)))
+            for prompt in committed:
+                self.windows.append(self.rng.choice(np.array(prompt, dtype=np.int64),
+                                                    size=(self.levels, self.window)))
                 self.age.append(0)
                 self.tails.append([])
         if step.scored_logits is not None:
-            self._jacobi_step(step.scored_logits, step.scored_valid)
+            choice, scored_valid = step.host_scored_choice, step.host_scored_valid
+            if choice is None:  # a step made without the engine's read
+                choice, scored_valid = step.scored_logits.argmax(-1).tolist(), step.scored_valid.tolist()
+            self._jacobi_step(np.array(choice, dtype=np.int64), [all(v) for v in scored_valid])
         if self.context_ngrams:
-            for b in range(len(tokens)):
-                self._add_text(b, tokens[b][valid[b]].tolist())
+            for b, new in enumerate(committed):
+                self._add_text(b, new)
         self.roots = step.next_tokens
 
-    def _jacobi_step(self, logits: torch.Tensor, scored_valid: torch.Tensor) -> None:
-        # logits: [B, E, V]; the top level's outputs are the new tokens
-        top = logits[:, (self.levels - 1) * self.window:].argmax(-1).cpu().numpy()  # [B, window]
-        complete = scored_valid.all(1).tolist()  # a row cut by its budget keeps its window as it was
+    def _jacobi_step(self, choice: np.ndarray, complete: list[bool]) -> None:
+        # choice: [B, E] the target's argmax at every window node; the top level's are the new tokens. complete: a
+        # row cut by its budget keeps its window as it was
+        top = choice[:, (self.levels - 1) * self.window:]  # [B, window]
         for b, ok in enumerate(complete):
             if not ok:
                 continue
@@ -163,7 +167,7 @@ class LookaheadDrafter(Drafter):
         self.tails[b] = seq[-(n - 1):]
 
     def propose(self, budget: torch.Tensor) -> DraftTree:
-        roots = self.roots.cpu().tolist()
+        roots = self.host_roots
         trees = [merged_tree(root, self.pools[b].guesses(root)) for b, root in enumerate(roots)]
         # tokens, parents, valid: [B, N]; padding nodes hang off the root, invalid
         b, n = len(trees), max(len(t) for t, _ in trees)
@@ -175,17 +179,19 @@ class LookaheadDrafter(Drafter):
             parents[row, :len(pars)] = torch.tensor(pars)
             valid[row, :len(toks)] = True
         device = self.roots.device
-        return DraftTree(tokens.to(device), parents.to(device), valid.to(device),
-                         scored=self._window_nodes(n, device))
+        # non-blocking: a blocking copy to a GPU would wait for its queue as a read does
+        return DraftTree(tokens.to(device, non_blocking=True), parents.to(device, non_blocking=True),
+                         valid.to(device, non_blocking=True), scored=self._window_nodes(n, device))
 
     def _window_nodes(self, n: int, device) -> ScoredNodes:
         b, e = len(self.windows), self.levels * self.window
-        tokens = torch.as_tensor(np.stack(self.windows).reshape(b, e), dtype=torch.long)
+        tokens = torch.from_numpy(np.stack(self.windows).reshape(b, e).astype(np.int64))
         attend = torch.zeros(e, n + e, dtype=torch.bool)
         attend[:, 0] = True  # the root; no other tree node
         attend[:, n:] = self.sees
-        return ScoredNodes(tokens=tokens.to(device), offsets=self.offsets.to(device).expand(b, e),
-                           attend=attend.to(device).expand(b, e, n + e),
+        return ScoredNodes(tokens=tokens.to(device, non_blocking=True),
+                           offsets=self.offsets.to(device, non_blocking=True).expand(b, e),
+                           attend=attend.to(device, non_blocking=True).expand(b, e, n + e),
                            valid=torch.ones(b, e, dtype=torch.bool, device=device))
 
     def select_rows(self, rows: torch.Tensor) -> None:
@@ -194,6 +200,7 @@ class LookaheadDrafter(Drafter):
         self.windows = [self.windows[r] for r in keep]
         self.age = [self.age[r] for r in keep]
         self.tails = [self.tails[r] for r in keep]
+        self.host_roots = [self.host_roots[r] for r in keep]
         self.roots = self.roots[rows]
 
 
