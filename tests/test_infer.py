@@ -6,6 +6,7 @@ scripted drafters that force never / always / partly accepted paths through tree
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from conftest import ARCHITECTURES, VOCAB, perturbed_copy, tiny_model
@@ -189,12 +190,34 @@ def test_ngram_speculates_on_repetitive_output():
 
 def test_ngram_lookup_finds_latest_match():
     d = NgramDrafter(num_tokens=3, max_ngram=2)
-    ctx = torch.tensor([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
-    assert [x.tolist() if torch.is_tensor(x) else x for x in d._lookup(ctx, 3)] == [[9, 1, 5], 2]
+    ctx = np.array([5, 6, 7, 8, 5, 6, 9, 1, 5, 6])
+    assert [x.tolist() if isinstance(x, np.ndarray) else x for x in d._lookup(ctx, 3)] == [[9, 1, 5], 2]
     # the later match has only 4 tokens after it
-    assert [x.tolist() if torch.is_tensor(x) else x for x in d._lookup(ctx, 5)] == [[7, 8, 5, 6, 9], 2]
-    assert d._lookup(torch.tensor([1, 2, 3]), 3)[1] == 0
-    assert d._lookup(torch.tensor([4, 2, 3, 2]), 3)[1] == 1
+    assert [x.tolist() if isinstance(x, np.ndarray) else x for x in d._lookup(ctx, 5)] == [[7, 8, 5, 6, 9], 2]
+    assert d._lookup(np.array([1, 2, 3]), 3)[1] == 0
+    assert d._lookup(np.array([4, 2, 3, 2]), 3)[1] == 1
+
+
+def _lookup_by_hand(ctx: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[list[int], int]:
+    """Prompt lookup written out: the longest suffix (max_ngram down to min_ngram) that occurs earlier with a token
+    after it; of its occurrences, the latest of those with the most tokens after them (at most k)."""
+    for n in range(min(max_ngram, len(ctx) - 1), min_ngram - 1, -1):
+        starts = [i for i in range(len(ctx) - n) if ctx[i:i + n] == ctx[-n:]]
+        if starts:
+            room = {i: min(len(ctx) - (i + n), k) for i in starts}
+            best = max(i for i in starts if room[i] == max(room.values()))
+            return ctx[best + n:best + n + k], n
+    return [], 0
+
+
+def test_ngram_lookup_is_the_lookup_written_out():
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        ctx = rng.integers(0, 4, size=int(rng.integers(1, 40))).tolist()  # 4 tokens: many repeats
+        k, max_ngram = int(rng.integers(1, 9)), int(rng.integers(1, 5))
+        d = NgramDrafter(num_tokens=8, max_ngram=max_ngram)
+        got, n = d._lookup(np.array(ctx, dtype=np.int64), k)
+        assert (got.tolist(), n) == _lookup_by_hand(ctx, k, max_ngram, 1), (trial, ctx, k, max_ngram)
 
 
 class RootAnd50(Drafter):
