@@ -278,10 +278,8 @@ class Engine:
         stats["verify_seconds"] += stats["prefill_seconds"]
         stats["target_forwards"] += 1
         stats["row_forwards"] += input_ids.shape[0]
-        step.host_next = step.next_tokens.tolist()
-        step.host_tokens = [[t for t, v in zip(ids, keep, strict=True) if v]
-                            for ids, keep in zip(input_ids.tolist(), step.valid.tolist(), strict=True)]
-        done = self._emit(rows, [[t] for t in step.host_next], settings, streamer)
+        _, roots = step.on_host()  # the prompt and first tokens on the host, for the drafters too
+        done = self._emit(rows, [[t] for t in roots], settings, streamer)
         self._active.bind(self.target, settings.sampling, input_ids.shape[0], generator)
         self._active.observe(step)
         rows.start_on(kv.length.device)

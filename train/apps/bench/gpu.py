@@ -83,18 +83,15 @@ class Settings:
 
 
 def bandwidth(device: torch.device, given: float | None) -> tuple[float | None, str]:
-    """(GB/s, where the figure comes from) for the memory floor."""
+    """(GB/s, where the figure comes from) for the memory floor: given, or a known GPU's published figure (a CPU's is
+    measured beside the rows: `run_random_target`)."""
     if given is not None:
         return given, "--bandwidth-gbs"
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for gpu, gbs in BANDWIDTH_GB_S.items():
-            if gpu in name:
-                return gbs, f"{gpu}'s published bandwidth"
-        return None, f"unknown for {name}: pass --bandwidth-gbs"
-    from train.apps.bench.report import read_bandwidth_gb_s
-
-    return read_bandwidth_gb_s(), "measured read bandwidth (CPU)"
+    name = torch.cuda.get_device_name(device)
+    for gpu, gbs in BANDWIDTH_GB_S.items():
+        if gpu in name:
+            return gbs, f"{gpu}'s published bandwidth"
+    return None, f"unknown for {name}: pass --bandwidth-gbs"
 
 
 def sync(device: torch.device) -> None:
@@ -396,7 +393,8 @@ def run_random_target(args, argv=None) -> int:
     target = build_random_target(args.random_target, device, dtype, seed=args.seed)  # refuses what cannot fit
     parameters = sum(p.numel() for p in target.parameters())
     weight_bytes = step_bytes(target)
-    gbs, source = bandwidth(device, args.bandwidth_gbs)
+    measured = device.type == "cpu" and args.bandwidth_gbs is None  # read before the rows and every round, below
+    gbs, source = (None, "measured read bandwidth (CPU)") if measured else bandwidth(device, args.bandwidth_gbs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = {"command": " ".join([Path(sys.executable).name, *sys.argv]) if argv is None else " ".join(argv),
@@ -419,7 +417,6 @@ def run_random_target(args, argv=None) -> int:
     generator = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(0, target.config.vocab_size, (1, args.prompt_tokens), generator=generator).to(device)
     answers = {}
-    measured = device.type == "cpu" and args.bandwidth_gbs is None
     if measured:
         from train.apps.bench.report import read_bandwidth_gb_s
 
@@ -431,6 +428,8 @@ def run_random_target(args, argv=None) -> int:
             return max(buffer, own)
 
         result["bandwidth_readings_gb_s"] = [probe()]
+        result["bandwidth_gb_s"] = result["bandwidth_readings_gb_s"][0]
+        result["memory_floor_ms"] = 1000 * weight_bytes / (result["bandwidth_gb_s"] * 1e9)
     run_suite(target, suite(target, ids, settings, answers), settings, result, answers, save, started,
               probe=probe if measured else None)
     if measured:  # the floor from the fastest reading: the hardest to meet, read beside the rows it judges
