@@ -132,6 +132,35 @@ def test_selfspec_finds_the_cache_under_its_own_key(captured, tmp_path):
     assert where.selfspec_key == cache_key(f"tiny:{target_fingerprint(target)}", rows.samples, layers, "float32")
 
 
+def test_a_soft_variant_gets_the_last_layer_in_a_cache_of_its_own(captured, tmp_path):
+    """`loss=soft` (or `both`) reads the target's last layer for its distribution: that cache is keyed as
+    train_heads.make_features keys it with soft targets, in its own root; the peers' layouts are kept."""
+    from train.apps.bench.trainers import soft_variant
+    from train.features import cache_key, needed_layers
+    from train.target import target_fingerprint
+
+    target, rows, hard = captured
+    n = target.config.num_hidden_layers
+    assert soft_variant(["loss=soft"]) and soft_variant(["loss=hard", "loss = both"])
+    assert not soft_variant([]) and not soft_variant(["loss=soft", "loss=hard"]) and not soft_variant(["lr=1e-4"])
+
+    class Drafter:
+        feature_layers = default_feature_layers(n)
+
+    where = layouts(tmp_path / "work", target, "tiny", rows, soft=True)
+    assert where.selfspec_layers == needed_layers(Drafter, n, soft=True) and n in where.selfspec_layers
+    assert where.selfspec_key == cache_key(f"tiny:{target_fingerprint(target)}", rows.samples, where.selfspec_layers,
+                                           "float32")
+    assert where.selfspec_root != hard.selfspec_root
+    assert capture(target, rows, where, progress=False) == {"speculators": "kept", "specforge": "kept",
+                                                            "selfspec": "captured"}
+    cache = FeatureCache(where.selfspec)
+    assert cache.layers == where.selfspec_layers
+    last = len(rows.samples) - 1
+    got = cache.get([last], len(rows.samples[last].input_ids))
+    torch.testing.assert_close(got[n][0], reference(target, rows.samples[last].input_ids)[n])
+
+
 def test_capture_keeps_finished_layouts_and_redoes_a_torn_one(captured):
     target, rows, where = captured
     (where.specforge / "done.json").unlink()  # killed before its end
@@ -243,7 +272,7 @@ def setup(tmp_path):
     from train.apps.bench.trainer_data import Layouts
 
     return frameworks.Setup(work=tmp_path, rows_file=tmp_path / "rows.jsonl", rows=100,
-                            layouts=Layouts(tmp_path / "spec", tmp_path / "sf", tmp_path / "feat", "key"),
+                            layouts=Layouts(tmp_path / "spec", tmp_path / "sf", tmp_path / "feat", "key", (2, 4, 5)),
                             target_name="smollm2-135m-instruct", peer_target=tmp_path / "target",
                             target_config=SMOLLM2_CONFIG, max_length=384, threads=2,
                             peers_python=Path("/peers/python"), speculators_seq_len=2048)

@@ -137,6 +137,29 @@ def test_offline_features_of_a_packed_batch_are_the_online_ones(target, tmp_path
         assert (x - offline[layer][tokens]).abs().max() < TOL * max(1.0, float(x.abs().max())), layer
 
 
+def test_a_feature_cache_holds_no_shard_mapped_between_reads(target, tmp_path):
+    """A shard is mapped while a batch reads it only: pages read once an epoch are not kept in the process."""
+    from pathlib import Path
+
+    drafter = heads.build("eagle3", target)
+    layers = needed_layers(drafter, target.config.num_hidden_layers, False)
+    cache = FeatureCache.build(target, mixed(), layers, tmp_path, "key", dtype="float32", batch_size=4, pad_id=0,
+                               progress=False)
+    shards = sorted(str(p) for p in (tmp_path / "key").glob("shard-*.safetensors"))
+    maps = Path("/proc/self/maps")
+    if not maps.is_file():
+        pytest.skip("no /proc/self/maps to read mappings from")
+    assert shards and cache.get([0, 1], 16)[layers[0]].shape[:2] == (2, 16)
+    samples = mixed()
+    packed = pack_collate(samples, list(range(len(samples))), pad_id=0, capacity=64)
+    OfflineFeatures(cache, "cpu").batch(packed)
+    import gc
+
+    gc.collect()
+    mapped = maps.read_text()
+    assert not [s for s in shards if s in mapped]
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("pack")

@@ -416,3 +416,52 @@ def test_soft_targets_are_the_targets_next_token_logits_at_every_ttt_step(kind):
         if kind == "eagle3":
             expected = expected[:, objective.to_target]
         torch.testing.assert_close(got, expected)
+
+
+@pytest.mark.parametrize(("kind", "loss"), [("eagle", "hard"), ("eagle3", "hard"), ("eagle3", "soft")])
+def test_the_lm_head_runs_at_the_loss_positions_only_with_the_same_loss_and_gradients(kind, loss, monkeypatch):
+    """The objective asks the drafter for logits at each TTT step's loss positions only: its loss, gradients and
+    evaluation counts equal those of logits at every position, selected after."""
+    from conftest import tiny_model
+
+    from heads.losses import StepStats
+    from train.objectives import build_objective
+
+    target = tiny_model("llama")
+    drafter = heads.build(kind, target, **({"draft_vocab_size": 48} if kind == "eagle3" else {})).attach(target)
+    config = load_config(None, {"target": "unused", "data": "unused", "drafter": kind, "loss": loss, "ttt_steps": 3})
+    objective = build_objective(drafter, config)
+    torch.manual_seed(0)
+    ids = torch.randint(3, target.config.vocab_size, (2, 12))
+    mask = torch.rand(2, 12) > 0.3
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones(2, 12, dtype=torch.long)}
+    layers = set(drafter.feature_layers) | {target.config.num_hidden_layers}
+    features = {k: torch.randn(2, 12, target.config.hidden_size) for k in layers}
+
+    def run():
+        drafter.zero_grad()
+        stats = StepStats(3)
+        loss, _ = objective(batch, features, stats=stats)
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}, stats
+
+    seen = []
+    forward = type(drafter).forward
+
+    def every_position(self, *args, logits_at=None, **kwargs):  # the LM head on every position, selected after
+        seen.append(logits_at)
+        hidden, logits = forward(self, *args, **kwargs)
+        return hidden, logits[logits_at]
+
+    loss, grads, stats = run()
+    monkeypatch.setattr(type(drafter), "forward", every_position)
+    ref_loss, ref_grads, ref_stats = run()
+    assert len(seen) == 3 and all(m is not None and m.dtype == torch.bool and 0 < m.sum() < m.numel() for m in seen)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6)
+    assert vars(stats).keys() == vars(ref_stats).keys() and stats.valid.sum() > 0
+    for key, value in vars(stats).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, vars(ref_stats)[key])

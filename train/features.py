@@ -58,7 +58,11 @@ def cache_key(target_id: str, samples, layers: tuple[int, ...], dtype: str) -> s
 
 
 class FeatureCache:
-    """Read side of a finished cache: `get(indices, width)` -> {layer: [B, width, D]} (zero-padded)."""
+    """Read side of a finished cache: `get(indices, width)` -> {layer: [B, width, D]} (zero-padded).
+
+    Each call opens the shards it reads and lets them go after: a shard stays mapped only while it is read, so
+    the pages of a cache read once an epoch are not held in the process (an open handle per shard kept every page
+    ever read resident, the whole cache by the end of an epoch: 1.9 GB at 281k tokens of SmolLM2's three layers)."""
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
@@ -66,19 +70,25 @@ class FeatureCache:
         self.layers = tuple(meta["layers"])
         self.lengths = meta["lengths"]
         self.shard_of = meta["shard_of"]
-        self._handles: dict[int, object] = {}
 
-    def _open(self, shard: int):
-        if shard not in self._handles:
-            self._handles[shard] = safe_open(str(self.folder / f"shard-{shard:05d}.safetensors"), framework="pt")
-        return self._handles[shard]
+    def _reader(self):
+        """tensor(i, layer) over the shards opened so far in one call."""
+        handles = {}
+
+        def tensor(i: int, layer: int) -> torch.Tensor:
+            shard = self.shard_of[i]
+            if shard not in handles:
+                handles[shard] = safe_open(str(self.folder / f"shard-{shard:05d}.safetensors"), framework="pt")
+            return handles[shard].get_tensor(f"{i}.{layer}")
+
+        return tensor
 
     def get(self, indices: list[int], width: int) -> dict[int, torch.Tensor]:
-        out = {}
+        out, tensor = {}, self._reader()
         for layer in self.layers:
             rows = []
             for i in indices:
-                x = self._open(self.shard_of[i]).get_tensor(f"{i}.{layer}")
+                x = tensor(i, layer)
                 rows.append(torch.nn.functional.pad(x, (0, 0, 0, width - x.shape[0])))
             out[layer] = torch.stack(rows)
         return out
@@ -87,11 +97,11 @@ class FeatureCache:
                    shape: tuple[int, int]) -> dict[int, torch.Tensor]:
         """{layer: [R, W, D]} for a packed batch: sample indices[n] at row places[n][0] from column
         places[n][1] (`train.packing.pack_collate`), zeros elsewhere."""
-        out = {}
+        out, tensor = {}, self._reader()
         for layer in self.layers:
             rows = None
             for i, (r, start, n) in zip(indices, places, strict=True):
-                x = self._open(self.shard_of[i]).get_tensor(f"{i}.{layer}")
+                x = tensor(i, layer)
                 if rows is None:
                     rows = x.new_zeros(*shape, x.shape[-1])
                 rows[r, start:start + n] = x

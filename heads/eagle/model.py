@@ -63,14 +63,15 @@ class EagleModel(DrafterModel):
         return ids
 
     def forward(self, input_ids, hidden_states, *, attention_mask=None, position_ids=None,
-                past_key_values=None, cache_position=None):
-        # input_ids: [B, T]; hidden_states: [B, T, D]
+                past_key_values=None, cache_position=None, logits_at: torch.Tensor | None = None):
+        # input_ids: [B, T]; hidden_states: [B, T, D]; logits_at: [B, T] bool, the positions whose logits are
+        # wanted ([N, V] then; training's loss positions: the LM head never runs on the others)
         x = self.fc(torch.cat([self.embed_tokens(input_ids), hidden_states.to(self.dtype)], dim=-1))
         attention_mask, position_ids = _defaults(x, attention_mask, position_ids, past_key_values)
         x = call_layer(self.layers[0], x, attention_mask=attention_mask, position_ids=position_ids,
                        past_key_values=past_key_values, cache_position=cache_position,
                        position_embeddings=rotary_embeddings(self.rotary_emb, x, position_ids))
-        return x, self.target_logits(x)
+        return x, self.target_logits(x if logits_at is None else x[logits_at])
 
     def mask_config(self):
         """What `infer.kv.KVState` reads to build this drafter's masks: None, its layer attends to the whole

@@ -62,18 +62,20 @@ class EagleObjective(nn.Module):
         valid_all = torch.zeros_like(correct)
         for s in range(steps):
             tokens = shift_left(ids, 1 + s)[:, :length]
+            # x_{t+2+s} is an assistant token of the chain's own sample
+            valid = (shift_left(mask, 2 + s, False) & same_sample(seg, 2 + s))[:, :length]
+            # logits [N, V] at the valid positions only
             hidden, logits = self.drafter(
                 tokens, hidden_in, attention_mask=unrolled_attention_mask(seg[:, :length], s, hidden_in.dtype),
                 position_ids=start + s, past_key_values=cache,
-                cache_position=torch.arange(s * length, (s + 1) * length, device=ids.device), **self.step_inputs(s))
-            # x_{t+2+s} is an assistant token of the chain's own sample
-            valid = (shift_left(mask, 2 + s, False) & same_sample(seg, 2 + s))[:, :length]
+                cache_position=torch.arange(s * length, (s + 1) * length, device=ids.device), logits_at=valid,
+                **self.step_inputs(s))
             labels = shift_left(ids, 2 + s)[:, :length][valid]
             step_loss, step_logs = self._step_loss(hidden, logits, valid, labels, last, soft, s, length)
             loss = loss + self.config.ttt_decay ** s * step_loss
             logs.update(step_logs)
             if stats is not None:
-                rank = label_rank(logits[valid].detach(), labels, to_target=self.columns())
+                rank = label_rank(logits.detach(), labels, to_target=self.columns())
                 stats.add(s, rank)
                 correct[s][valid] = rank == 0
                 valid_all[s] = valid
@@ -106,9 +108,10 @@ class EagleObjective(nn.Module):
         return rows[shift_left(index, 1 + s, -1)[:, :length][valid]]
 
     def _step_loss(self, hidden, logits, valid, labels, last, soft_targets, s, length):
+        # hidden [B, L, D]; logits [N, V] at the N valid positions
         logs = {}
         soft = self._soft_at_step(soft_targets, valid, s, length)
-        tok = token_loss(logits[valid], labels, soft, self.config.loss)
+        tok = token_loss(logits, labels, soft, self.config.loss)
         target_feature = shift_left(last, 1 + s)[:, :length][valid]
         reg = F.smooth_l1_loss(hidden[valid].float(), target_feature.float()) if valid.any() else hidden.sum() * 0
         logs[f"loss/step{s}_token"], logs[f"loss/step{s}_feature"] = tok.detach(), reg.detach()

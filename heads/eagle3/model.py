@@ -127,8 +127,11 @@ class Eagle3Model(DrafterModel):
         self.lm_head.weight.copy_(weight[target_ids.to(weight.device)])
 
     def forward(self, input_ids, hidden_states, *, attention_mask=None, position_ids=None,
-                past_key_values=None, cache_position=None, fused: bool | None = None):
-        # input_ids: [B, T]; hidden_states: [B, T, n*D] (fused target features) or [B, T, D] (own output)
+                past_key_values=None, cache_position=None, fused: bool | None = None,
+                logits_at: torch.Tensor | None = None):
+        # input_ids: [B, T]; hidden_states: [B, T, n*D] (fused target features) or [B, T, D] (own output);
+        # logits_at: [B, T] bool, the positions whose logits are wanted ([N, V] then; training's loss positions: the
+        # LM head, half of a step's products on SmolLM2, never runs on the others)
         hidden_states = hidden_states.to(self.dtype)
         if self._is_fused(hidden_states, fused):
             h = self.fc(self.input_norm(hidden_states) if self.config.norm_before_fc else hidden_states)
@@ -151,8 +154,8 @@ class Eagle3Model(DrafterModel):
             h = call_layer(layer, h, attention_mask=mask, **layer_kwargs)
         if self.config.norm_output:  # speculators' norm_output: the normed state is what the next step reads
             h = self.norm(h)
-            return h, self.lm_head(h)
-        return h, self.lm_head(self.norm(h))
+            return h, self.lm_head(h if logits_at is None else h[logits_at])
+        return h, self.lm_head(self.norm(h if logits_at is None else h[logits_at]))
 
     def mask_config(self):
         """What `infer.kv.KVState` reads to build this drafter's masks (`layer_types`, `sliding_window`), or None

@@ -34,7 +34,7 @@ class Eagle3Objective(EagleObjective):
 
     def _step_loss(self, hidden, logits, valid, labels, last, soft_targets, s, length):
         soft = self._soft_at_step(soft_targets, valid, s, length)
-        tok = token_loss(logits[valid], self.to_draft[labels], soft, self.config.loss)
+        tok = token_loss(logits, self.to_draft[labels], soft, self.config.loss)  # logits [N, V]: at `valid`
         return tok, {f"loss/step{s}": tok.detach()}
 
 

@@ -130,18 +130,23 @@ class Layouts:
     specforge: Path
     selfspec_root: Path  # feature_cache_dir of selfspec's run
     selfspec_key: str
+    selfspec_layers: tuple[int, ...]  # the target layers in selfspec's cache
 
     @property
     def selfspec(self) -> Path:
         return self.selfspec_root / self.selfspec_key
 
 
-def layouts(work: Path, target, target_name: str, rows: Rows) -> Layouts:
+def layouts(work: Path, target, target_name: str, rows: Rows, soft: bool = False) -> Layouts:
     """The layout folders under `work`; selfspec's cache under the key its training computes for these samples
-    (train_heads.make_features: the target's name and fingerprint, the samples' ids, its layers and dtype)."""
-    layers = tuple(sorted(set(default_feature_layers(target.config.num_hidden_layers))))  # needed_layers' order
+    (train_heads.make_features: the target's name and fingerprint, the samples' ids, its layers and dtype). With
+    `soft` (a variant trained on the target's distribution) the cache holds the last layer too, in a root of its
+    own: each root holds the one cache its runs may use."""
+    n = target.config.num_hidden_layers
+    layers = tuple(sorted(set(default_feature_layers(n)) | ({n} if soft else set())))  # needed_layers' order
     key = cache_key(f"{target_name}:{target_fingerprint(target)}", rows.samples, layers, SELFSPEC_FEATURE_DTYPE)
-    return Layouts(work / "data" / "speculators", work / "data" / "specforge", work / "features" / "selfspec", key)
+    root = work / "features" / ("selfspec+last" if soft else "selfspec")
+    return Layouts(work / "data" / "speculators", work / "data" / "specforge", root, key, layers)
 
 
 def capture(target, rows: Rows, where: Layouts, progress: bool = True) -> dict:
@@ -159,7 +164,7 @@ def capture(target, rows: Rows, where: Layouts, progress: bool = True) -> dict:
         folders[name].mkdir(parents=True)
     n = target.config.num_hidden_layers
     aux = default_feature_layers(n)
-    writer = SelfspecCacheWriter(where.selfspec, aux) if "selfspec" in todo else None
+    writer = SelfspecCacheWriter(where.selfspec, where.selfspec_layers) if "selfspec" in todo else None
     with torch.inference_mode():
         for i, sample in enumerate(tqdm(rows.samples, desc="features", disable=not progress)):
             ids = torch.tensor(sample.input_ids, dtype=torch.long)
@@ -169,7 +174,7 @@ def capture(target, rows: Rows, where: Layouts, progress: bool = True) -> dict:
             if "specforge" in todo:
                 write_specforge_row(where.specforge, i, ids, sample.loss_mask, [hidden[k] for k in aux], hidden[n])
             if writer is not None:
-                writer.add(i, {k: hidden[k] for k in aux})
+                writer.add(i, {k: hidden[k] for k in where.selfspec_layers})
     if "speculators" in todo:
         write_speculators_table(where.speculators, rows)
         # its validation row: the last row again (see write_speculators_table)
@@ -178,7 +183,8 @@ def capture(target, rows: Rows, where: Layouts, progress: bool = True) -> dict:
     if writer is not None:
         writer.close(rows)
     for name in todo:
-        (folders[name] / DONE).write_text(json.dumps({"samples": fingerprint, "layers": aux}))
+        layers = list(where.selfspec_layers) if name == "selfspec" else aux
+        (folders[name] / DONE).write_text(json.dumps({"samples": fingerprint, "layers": layers}))
     return {name: "captured" if name in todo else "kept" for name in folders}
 
 

@@ -112,7 +112,7 @@ def prepare(args, work: Path):
                           "max_length": args.max_length, "samples": rows.fingerprint, "rows": len(rows.samples),
                           "assistant_tokens": rows.assistant_tokens, "tokens": rows.tokens})
     rows_file = write_rows(rows, work / "rows")
-    where = layouts(work, target, args.target, rows)
+    where = layouts(work, target, args.target, rows, soft=soft_variant(args.selfspec_set))
     print(f"[rows] {len(rows.samples)} rows, {rows.assistant_tokens} assistant tokens, {rows.tokens} tokens; "
           f"features: {json.dumps(capture(target, rows, where))}", flush=True)
     setup = Setup(work=work, rows_file=rows_file, rows=len(rows.samples), layouts=where, target_name=args.target,
@@ -121,6 +121,13 @@ def prepare(args, work: Path):
                   threads=args.threads, peers_python=Path(args.peers_python).absolute(),
                   speculators_seq_len=args.speculators_seq_len, selfspec_overrides=tuple(args.selfspec_set))
     return setup, rows, target, tokenizer
+
+
+def soft_variant(overrides: list[str]) -> bool:
+    """Whether selfspec's variant trains on the target's distribution (`loss=soft` or `both`, the last setting
+    winning), which needs the target's last layer in its feature cache."""
+    losses = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "loss"]
+    return bool(losses) and losses[-1] in ("soft", "both")
 
 
 def check_manifest(work: Path, manifest: dict) -> None:
