@@ -176,6 +176,7 @@ ROWS = [
     ("cpu_prepack as a number", lambda t: SelfSpecModel(t, "ngram", cpu_prepack=0), ValueError, "cpu_prepack must be True, False or None"),
     ("lean_verify as text", lambda t: SelfSpecModel(t, "ngram", lean_verify="false"), ValueError, "lean_verify must be True, False or None"),
     ("int8_drafter as text", lambda t: SelfSpecModel(t, "ngram", int8_drafter="no"), ValueError, "int8_drafter must be True or False"),
+    ("freeze_gc as text", lambda t: SelfSpecModel(t, "ngram", freeze_gc="no"), ValueError, "freeze_gc must be True or False"),
     ("draft_batches as a number", lambda t: SelfSpecModel(t, "ngram", draft_batches=1), ValueError, "draft_batches must be True, False or None"),
     ("static cache past the context", lambda t: SelfSpecModel(t, "ngram", static_cache=10**9), ValueError, "more than the target's context of 256 positions can use"),
     ("static cache as a float", lambda t: SelfSpecModel(t, "ngram", static_cache=512.0), ValueError, "static_cache must be True, False, None or a number of tokens"),

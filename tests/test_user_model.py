@@ -118,6 +118,27 @@ def test_the_garbage_collector_is_paused_during_generate_and_left_as_it_was(enab
         (gc.enable if was else gc.disable)()
 
 
+def test_the_first_engine_freezes_the_heap_once_unless_told_not_to(monkeypatch):
+    """freeze_gc (the default): the first engine made collects, then freezes what is alive, so that the full
+    collections a pause only defers scan what came after; later engines freeze nothing more; freeze_gc=False never
+    freezes."""
+    from infer import engine
+
+    calls = []
+    monkeypatch.setattr(engine.gc, "collect", lambda *a: calls.append("collect") or 0)
+    monkeypatch.setattr(engine.gc, "freeze", lambda: calls.append("freeze"))
+    monkeypatch.setitem(engine._gc_state, "frozen", False)
+    target = tiny_model("llama")
+    SelfSpecModel(target, "ngram", freeze_gc=False)
+    assert calls == []
+    SelfSpecModel(target, "ngram")
+    assert calls == ["collect", "freeze"]
+    model = SelfSpecModel(target, "ngram")
+    assert calls == ["collect", "freeze"]
+    expected = target.generate(IDS, max_new_tokens=8, do_sample=False)
+    assert torch.equal(model.generate(IDS, max_new_tokens=8), expected)
+
+
 def test_flex_attention_target_gets_its_attention_back():
     target = tiny_model("llama", attn_implementation="flex_attention")
     with pytest.warns(UserWarning, match="runs with 'sdpa' during generate"):
