@@ -347,6 +347,27 @@ def test_every_drafter_is_measured_at_every_tree_and_kept(tmp_path):
     assert "import_error" in measure(tmp_path / "broken", target, tok, sets, [], 6, tmp_path / "broken.json")
 
 
+def test_a_measurement_of_some_trees_is_kept_apart_from_one_of_all(tmp_path):
+    """`only` measures the trees named; its file is not read back for a measurement of every tree, nor the other
+    way; drafters in folders of the same name get files of their own."""
+    import heads
+    from train.apps.bench.trainer_eval import SETTINGS, measure, tau_file_name
+
+    target, tok = tiny_model("llama"), char_tokenizer()
+    for run in ("a", "b"):
+        heads.build("eagle3", target, tokenizer=tok).save_pretrained(tmp_path / run / "drafter")
+    assert tau_file_name(str(tmp_path / "a" / "drafter")) != tau_file_name(str(tmp_path / "b" / "drafter"))
+    assert tau_file_name("smollm2-135m-instruct-eagle3") == "tau-smollm2-135m-instruct-eagle3.json"
+    sets, calibration = {"alpaca_heldout": [torch.tensor([[9, 10, 11]])]}, [torch.tensor([[12, 13, 14]])]
+    out = tmp_path / "tau.json"
+    some = measure(tmp_path / "a" / "drafter", target, tok, sets, calibration, 6, out, only=("chain7",))
+    assert set(some["tau"]) == {"chain7"} and set(some["trees"]) == {"chain7"}
+    every = measure(tmp_path / "a" / "drafter", target, tok, sets, calibration, 6, out)
+    assert set(every["tau"]) == set(SETTINGS)
+    assert set(measure(tmp_path / "a" / "drafter", target, tok, sets, calibration, 6, out,
+                       only=("chain7",))["tau"]) == {"chain7"}
+
+
 # ---- the report ----------------------------------------------------------------------------------------------------
 def test_the_report_has_a_row_per_run_and_the_mean_and_spread_per_framework():
     def measured(value):

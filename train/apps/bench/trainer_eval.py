@@ -99,11 +99,13 @@ def calibrated_tree(target, drafter, prompts: list[torch.Tensor], tokenizer=None
 
 
 def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]], calibration: list[torch.Tensor],
-            max_new_tokens: int, out: Path) -> dict:
-    """tau of the drafter in `folder` at every setting on every prompt set, kept in `out` (a finished measurement
-    with the same settings is read back, not repeated)."""
+            max_new_tokens: int, out: Path, only: tuple[str, ...] = SETTINGS) -> dict:
+    """tau of the drafter in `folder` at every setting (or those in `only`) on every prompt set, kept in `out` (a
+    finished measurement with the same settings is read back, not repeated)."""
     settings = {"prompts": {name: len(p) for name, p in sets.items()}, "calibration_prompts": len(calibration),
                 "max_new_tokens": max_new_tokens, "trees": TREES}
+    if tuple(only) != SETTINGS:
+        settings["only"] = list(only)
     if out.is_file():
         kept = json.loads(out.read_text())
         if kept.get("settings") == settings and "import_error" not in kept:  # an importer may be fixed since
@@ -112,8 +114,9 @@ def measure(folder: Path, target, tokenizer, sets: dict[str, list[torch.Tensor]]
     if drafter is None:
         result = {"settings": settings, "import_error": error}
     else:
-        trees = dict(TREES)
-        trees[CALIBRATED] = calibrated_tree(target, drafter, calibration, tokenizer)
+        trees = {name: tree for name, tree in TREES.items() if name in only}
+        if CALIBRATED in only:
+            trees[CALIBRATED] = calibrated_tree(target, drafter, calibration, tokenizer)
         result = {"settings": settings, "trees": trees,
                   "tau": {setting: tau(target, drafter, tree, sets, max_new_tokens, tokenizer)
                           for setting, tree in trees.items()}}
@@ -144,9 +147,21 @@ def build_parser() -> argparse.ArgumentParser:
                         help="a shipped drafter's name, a folder or a hub id (any format selfspec imports); repeatable")
     parser.add_argument("--target", default="smollm2-135m-instruct", help="the target's name or folder")
     add_measure_options(parser)
+    parser.add_argument("--trees", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="the trees measured (default: all)")
+    parser.add_argument("--sets", nargs="+", choices=("mt_bench", "alpaca_heldout"),
+                        default=["mt_bench", "alpaca_heldout"], help="the prompt sets measured (default: both)")
     parser.add_argument("--threads", type=at_least(1), default=2)
     parser.add_argument("--out", default="runs/trees", help="folder for one tau file per drafter and results.json")
     return parser
+
+
+def tau_file_name(drafter: str) -> str:
+    """One tau file per drafter: a folder's path (trainers' exports are all named `drafter`), else its name or hub
+    id, as a file name."""
+    path = Path(drafter)
+    key = str(path.resolve()) if path.is_dir() else drafter
+    return "tau-" + key.strip("/").replace("/", "--") + ".json"
 
 
 def main(argv=None) -> int:
@@ -159,13 +174,14 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     target, tokenizer = resolve_target(args.target)
     sets, calibration = prompt_sets(tokenizer, args.mt_bench, args.heldout, args.prompts, args.calibration_prompts)
+    sets = {name: prompts for name, prompts in sets.items() if name in args.sets}
+    only = tuple(s for s in SETTINGS if s in args.trees)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results, failed = {}, False
     for drafter in args.drafter:
-        name = Path(drafter).name or drafter
         results[drafter] = measure(drafter, target, tokenizer, sets, calibration, args.max_new_tokens,
-                                   out / f"tau-{name.replace('/', '--')}.json")
+                                   out / tau_file_name(drafter), only)
         failed |= "import_error" in results[drafter]
         tau_by_set = {setting: {s: v["tau"] for s, v in r.items()}
                       for setting, r in results[drafter].get("tau", {}).items()}
