@@ -354,8 +354,8 @@ def test_a_measurement_of_some_trees_is_kept_apart_from_one_of_all(tmp_path):
     from train.apps.bench.trainer_eval import SETTINGS, measure, tau_file_name
 
     target, tok = tiny_model("llama"), char_tokenizer()
-    for run in ("a", "b"):
-        heads.build("eagle3", target, tokenizer=tok).save_pretrained(tmp_path / run / "drafter")
+    for folder in ("a", "b"):
+        heads.build("eagle3", target, tokenizer=tok).save_pretrained(tmp_path / folder / "drafter")
     assert tau_file_name(str(tmp_path / "a" / "drafter")) != tau_file_name(str(tmp_path / "b" / "drafter"))
     assert tau_file_name("smollm2-135m-instruct-eagle3") == "tau-smollm2-135m-instruct-eagle3.json"
     sets, calibration = {"alpaca_heldout": [torch.tensor([[9, 10, 11]])]}, [torch.tensor([[12, 13, 14]])]
