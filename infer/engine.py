@@ -91,7 +91,7 @@ def freeze_heap() -> bool:
     after the call, each a scan of every tracked object (~0.2 s with torch, transformers and a model loaded); frozen,
     those objects are never scanned again. Returns whether this call froze the heap (False: it was already)."""
     with _gc_lock:
-        if _gc_state.get("frozen"):
+        if _gc_state["frozen"]:
             return False
         gc.collect()
         gc.freeze()

@@ -98,7 +98,7 @@ class EngineOptions:
     (the imported modules of torch and transformers, the loaded models: some 420k objects) into the garbage
     collector's permanent generation (`gc.freeze`), as vLLM does after its warm-up. A full collection then scans
     only what came after, instead of costing ~0.2 s mid-generation (measured on this project's CPU: one every few
-    generations of the drafted path, 2-5% of their time). Objects frozen are still freed when their last reference
+    generations of the drafted path, 1.7-5% of their time). Objects frozen are still freed when their last reference
     goes; only reference cycles among them are never collected. False = the collector as it is.
     """
 
