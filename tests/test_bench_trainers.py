@@ -141,7 +141,9 @@ def test_a_soft_variant_gets_the_last_layer_in_a_cache_of_its_own(captured, tmp_
 
     target, rows, hard = captured
     n = target.config.num_hidden_layers
-    assert soft_variant(["loss=soft"]) and soft_variant(["loss=hard", "loss = both"])
+    assert soft_variant(["loss=soft"]) and soft_variant(["loss=hard", "loss=both"])
+    with pytest.raises(ValueError, match="unknown config key 'lss'"):
+        soft_variant(["lss=soft"])
     assert not soft_variant([]) and not soft_variant(["loss=soft", "loss=hard"]) and not soft_variant(["lr=1e-4"])
 
     class Drafter:

@@ -30,6 +30,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -42,7 +43,7 @@ from train.data import (
     samples_fingerprint,
     tokenize_conversations,
 )
-from train.features import SHARD_SAMPLES, cache_key
+from train.features import SHARD_SAMPLES, cache_key, needed_layers
 from train.target import target_fingerprint
 
 CHUNK = 64  # conversations tokenized at a time while filling the budget
@@ -143,7 +144,7 @@ def layouts(work: Path, target, target_name: str, rows: Rows, soft: bool = False
     `soft` (a variant trained on the target's distribution) the cache holds the last layer too, in a root of its
     own: each root holds the one cache its runs may use."""
     n = target.config.num_hidden_layers
-    layers = tuple(sorted(set(default_feature_layers(n)) | ({n} if soft else set())))  # needed_layers' order
+    layers = needed_layers(SimpleNamespace(feature_layers=default_feature_layers(n)), n, soft)  # as training asks
     key = cache_key(f"{target_name}:{target_fingerprint(target)}", rows.samples, layers, SELFSPEC_FEATURE_DTYPE)
     root = work / "features" / ("selfspec+last" if soft else "selfspec")
     return Layouts(work / "data" / "speculators", work / "data" / "specforge", root, key, layers)

@@ -124,10 +124,13 @@ def prepare(args, work: Path):
 
 
 def soft_variant(overrides: list[str]) -> bool:
-    """Whether selfspec's variant trains on the target's distribution (`loss=soft` or `both`, the last setting
-    winning), which needs the target's last layer in its feature cache."""
-    losses = [o.split("=", 1)[1].strip() for o in overrides if o.split("=", 1)[0].strip() == "loss"]
-    return bool(losses) and losses[-1] in ("soft", "both")
+    """Whether selfspec's run, its recipe with `overrides` read as train/train_heads.py reads them (an unknown key
+    refused here, before any capture), trains on the target's distribution (`loss` soft or both), which needs the
+    target's last layer in its feature cache."""
+    from train.apps.bench.trainer_frameworks import SELFSPEC_CONFIG
+    from train.config import load_config
+
+    return load_config(SELFSPEC_CONFIG, list(overrides)).loss != "hard"
 
 
 def check_manifest(work: Path, manifest: dict) -> None:
