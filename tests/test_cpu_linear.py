@@ -128,12 +128,12 @@ def test_bf16_inputs_give_every_row_the_sums_it_gets_alone(in_features):
     row's output is the one it gets alone, whatever the rows beside it (a verify's nodes get the bits of a step
     of one), and within fp32 rounding of the widened inputs' path, on every build."""
     torch.manual_seed(in_features)
-    weights = [torch.randn(out, in_features).to(torch.bfloat16) for out in (9, 4, 1)]  # blocks of 4, tail rows
+    weights = [torch.randn(out, in_features).to(torch.bfloat16) for out in (9, 4, 1)]  # blocks of 3 or 4, tail rows
     x = torch.randn(20, in_features).to(torch.bfloat16)
     for kernel in _builds():
         alone = torch.cat([kernel.few_rows_linear_cat(x[r:r + 1], weights, []) for r in range(20)])
         widened = kernel.few_rows_linear_cat(x.float(), weights, [])
-        for rows in (1, 2, 3, 4, 5, 8, 9, 13, 16, 20):
+        for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 13, 16, 20):  # one pass of 4 or of 3 x 5..9, passes of 4
             got = kernel.few_rows_linear_cat(x[:rows], weights, [])
             assert got.dtype == torch.float32 and torch.equal(got, alone[:rows])
         torch.testing.assert_close(alone, widened, rtol=1e-5, atol=1e-5)
