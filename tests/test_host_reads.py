@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import perturbed_copy, tiny_model
 from torch.overrides import TorchFunctionMode
 
 import heads
 from infer import SelfSpecModel
+from infer.drafters.draft_model import DraftModelDrafter
 
 # Tensor methods and torch functions whose result is a host value, or whose output shape depends on the data
 _READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__complex__", "numpy", "cpu",
@@ -91,6 +92,10 @@ class HostReads(TorchFunctionMode):
 def _drafter(kind: str, target):
     if kind in ("none", "ngram", "suffix") or kind.startswith("lookahead"):  # by name: the host-side lookups
         return kind
+    if kind.startswith(("draft_model", "early_exit")):  # a separate small LM, the target's first layers
+        adaptive = kind.endswith("adaptive")
+        model = perturbed_copy(target) if kind.startswith("draft_model") else None
+        return DraftModelDrafter(model, num_tokens=4, adaptive=adaptive) if model is not None else kind
     drafter = heads.build(kind, target)
     torch.manual_seed(3)
     return drafter
@@ -139,13 +144,16 @@ def test_the_counter_sees_reads():
 # With `bans`, token bans (suppress_tokens, begin_suppress_tokens, min_new_tokens) apply to every step's logits.
 # Prompt lookup, suffix decoding and lookahead run on the host, from what the step's one read brought back (the
 # committed tokens, `TargetStep.host_tokens`; lookahead's window: the target's argmax at its scored nodes, in the
-# same read); "+lookup" is a trained drafter with prompt lookup first, as the shipped one loads.
+# same read); "+lookup" is a trained drafter with prompt lookup first, as the shipped one loads. A draft model (a
+# separate LM; the target's first layers) drafts its whole chain on the captured step, an adaptive one too, and learns
+# how many tokens each row kept from the same read.
 CASES = [("none", False, False), ("eagle3", False, False), ("eagle", False, False), ("medusa", False, False),
          ("dflash", False, False), ("none", True, False), ("eagle3", True, False), ("eagle", True, False),
          ("medusa", True, False), ("none", False, True), ("eagle3", True, True), ("ngram", False, False),
          ("ngram", True, False), ("suffix", False, False), ("lookahead:4,3,4", False, False),
          ("lookahead:4,3,4", True, False), ("eagle3+lookup", False, False),
-         ("eagle3+lookup", True, False)]
+         ("eagle3+lookup", True, False), ("draft_model", False, False), ("draft_model:adaptive", False, False),
+         ("early_exit:1", False, False)]
 
 
 @pytest.mark.parametrize(("kind", "do_sample", "bans"), CASES)

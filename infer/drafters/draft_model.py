@@ -22,7 +22,10 @@ class DraftModelDrafter(Drafter):
     (Leviathan et al. 2023; Chen et al. 2023). When sampling, drafts are drawn from the draft model's
     processed distribution q, which verification uses for rejection sampling. With `adaptive=True` a row
     stops drafting where one more token no longer pays (`AdaptiveLength`); otherwise every row drafts
-    `num_tokens`.
+    `num_tokens`. Under `sync_free` (the engine's captured step) propose and observe read nothing on the host: every
+    row drafts `num_tokens` (no adaptive stop, no stop at the budget: the engine prunes each row's chain to it), and
+    what the host needs of a step (how many tokens each row kept) comes from the engine's one read
+    (`TargetStep.on_host`).
 
     `lean_quantized`: the model's linears are all `infer.cpu.linear.Int8Linear` or `Int4Linear` (the `int8` and
     `int4` self-drafters' copies of the target), and its forwards run as `infer.cpu.lean_forward.LeanForward` computes
@@ -73,10 +76,13 @@ class DraftModelDrafter(Drafter):
         self.kv = KVState(batch_size, target.device, self.model.config, roomy=self.decode is None)
         self.lean = self._lean_forward()
         self.pending: list[torch.Tensor] = []  # committed tokens the draft model has not seen, per row
+        self.committed: list[int] = []  # per row, tokens committed so far: the draft cache's plus the pending ones
+        self.pend_aligned = True  # every row's pending tokens filled the last catch-up block (nothing to move)
         self.start = self.fed = 0
         self.off = False  # set once a row outgrows the draft model's context
         sampled = getattr(sampling, "do_sample", False)
-        self.length = self._sampled_length() if self.adaptive and sampled else self.timed_length
+        self.length = None if self.sync_free else (
+            self._sampled_length() if self.adaptive and sampled else self.timed_length)
         if self.length is not None:
             self.length.new_generation()
 
@@ -88,8 +94,10 @@ class DraftModelDrafter(Drafter):
         if self.off:  # past the draft model's context: the target goes on alone
             self.roots = step.next_tokens
             return
+        kept = [len(tokens) for tokens in step.on_host()[0]]  # per row: the prompt, or the root and kept drafts
         if self.kv.size == 0:  # prefill: the whole prompt
-            if self.max_positions and int(step.valid.sum(1).max()) >= self.max_positions:
+            self.committed = kept
+            if self.max_positions and max(kept) >= self.max_positions:
                 self.off, self.roots = True, step.next_tokens
                 return
             depth, ancestors, valid = prompt_tree(step.valid)
@@ -105,9 +113,10 @@ class DraftModelDrafter(Drafter):
             accepted = step.valid.sum(1)
             keep = torch.cat([self.pend_valid, self._chain_slots_kept(accepted)], dim=1)
             order = (~keep).long().argsort(dim=1, stable=True)  # kept slots first, in order
-            self.kv.commit(self.start, order, keep.gather(1, order))
-            fed = self._nodes_fed(len(accepted))
-            self.pending = [step.tokens[b, fed[b]:int(accepted[b])] for b in range(len(accepted))]
+            self.kv.commit(self.start, order, keep.gather(1, order), in_place=self._kept_in_place())
+            fed = self._nodes_fed(len(kept))
+            self.pending = [step.tokens[b, fed[b]:kept[b]] for b in range(len(kept))]
+            self.committed = [n + k for n, k in zip(self.committed, kept, strict=True)]
             if self.length is not None:
                 self.length.judged(accepted - 1)
         self.roots = step.next_tokens
@@ -117,6 +126,12 @@ class DraftModelDrafter(Drafter):
         i holds node i (the root, then each draft but the last)."""
         return torch.arange(self.fed, device=accepted.device)[None, :] < accepted[:, None]
 
+    def _kept_in_place(self) -> bool | None:
+        """Whether the slots observe keeps are where they go already (no move; known without a read): the chain's
+        kept nodes are a prefix of it, right after the pending tokens, so they are in place where no row's pending
+        tokens were left-padded; where one was, its kept slots move (its root is always kept)."""
+        return self.pend_aligned
+
     def _nodes_fed(self, rows: int) -> list[int]:
         """Per row, how many tree nodes (root first) the last propose fed to the draft cache."""
         return [self.fed] * rows
@@ -124,10 +139,10 @@ class DraftModelDrafter(Drafter):
     def _skip_drafting(self) -> DraftTree:
         """Nothing to draft; the root reaches the draft cache with the next block."""
         b = self.roots.shape[0]
-        self.start, self.fed = self.kv.size, 0
+        self.start, self.fed, self.pend_aligned = self.kv.size, 0, True
         self.pend_valid = torch.zeros(b, 0, dtype=torch.bool, device=self.roots.device)
         self.pending = [torch.cat([p, self.roots[r:r + 1]]) for r, p in enumerate(self.pending)]
-        return chain_tree(self.roots, self.roots.new_zeros(b, 0), torch.zeros(b, dtype=torch.long))
+        return chain_tree(self.roots, self.roots.new_zeros(b, 0), self.roots.new_zeros(b))
 
     def _catch_up_block(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The committed tokens the draft model has not seen and the root, as one left-padded block
@@ -142,13 +157,14 @@ class DraftModelDrafter(Drafter):
             valid[row, width - len(seq):] = True
         self.start, self.fed = self.kv.size, 0
         self.pend_valid = valid[:, :-1]
+        self.pend_aligned = all(len(pend) == width - 1 for pend in self.pending)
         return block, valid
 
     def _room(self, budget: torch.Tensor) -> int:
         """How many tokens to draft this step: at most num_tokens, the budget, and what still fits in the
         draft model's context (a short-context draft model stops drafting; the target goes on alone);
         none on a step where `AdaptiveLength` finds that drafting does not pay."""
-        k = max(0, min(self.num_tokens, int(budget.max())))
+        k = self.num_tokens if self.sync_free else max(0, min(self.num_tokens, int(budget.max())))
         if self.off or (k and self.length is not None and not self.length.worth_drafting()):
             return 0
         if self.max_positions and self._used() + k > self.max_positions:
@@ -157,8 +173,9 @@ class DraftModelDrafter(Drafter):
         return k
 
     def _used(self) -> int:
-        """The longest row's next position once its pending tokens and the root are fed."""
-        return max(int(n) + len(p) + 1 for n, p in zip(self.kv.length.tolist(), self.pending, strict=True))
+        """The longest row's next position once its pending tokens and the root are fed: what it has committed, and
+        the root."""
+        return max(self.committed) + 1
 
     def propose(self, budget: torch.Tensor) -> DraftTree:
         k = self._room(budget)
@@ -170,7 +187,7 @@ class DraftModelDrafter(Drafter):
         inputs, drafts, qs = block, [], []
         one = torch.ones(b, 1, dtype=torch.bool, device=block.device)
         lengths = torch.zeros(b, dtype=torch.long)
-        going = (budget > 0).cpu()
+        going = None if self.sync_free else (budget > 0).cpu()  # rows still drafting (host-side)
         if self.length is not None:
             self.length.start(b)
         for i in range(k):
@@ -184,18 +201,21 @@ class DraftModelDrafter(Drafter):
             else:
                 q, token = None, logits.argmax(-1)
             drafts.append(token)
-            lengths[going] = i + 1
-            if self.length is not None:
-                going &= self._keep_going(logits if q is None else q, token, going)
-            going &= budget.cpu() > i + 1
-            if not going.any():
-                break
+            if going is not None:  # where a read costs nothing: rows stop at their budget or where drafting no
+                lengths[going] = i + 1  # longer pays
+                if self.length is not None:
+                    going &= self._keep_going(logits if q is None else q, token, going)
+                going &= budget.cpu() > i + 1
+                if not going.any():
+                    break
             # The next query is one new node right after everything fed so far.
             inputs, depth, ancestors, node_valid = token[:, None], torch.zeros_like(inputs[:, :1]), one[..., None], one
         if self.length is not None:
             self.length.drafted()
         q = torch.stack(qs, 1) if qs else None
-        return chain_tree(self.roots, torch.stack(drafts, 1), lengths.to(self.roots.device), q)
+        # sync_free: every row's whole chain, which the engine prunes to its budget
+        lengths = self.roots.new_full((b,), len(drafts)) if going is None else lengths.to(self.roots.device)
+        return chain_tree(self.roots, torch.stack(drafts, 1), lengths, q)
 
     def _lean_forward(self) -> LeanForward | None:
         """This generation's lean forward of the quantized model, or None where its own forward runs every block."""
@@ -243,6 +263,7 @@ class DraftModelDrafter(Drafter):
             self.length.select_rows(rows)
         self.kv.select_rows(rows)
         self.pending = [self.pending[int(r)] for r in rows]
+        self.committed = [self.committed[int(r)] for r in rows]
         self.roots = self.roots[rows]
 
 

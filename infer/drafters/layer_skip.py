@@ -77,7 +77,7 @@ class LayerSkipDrafter(DraftModelDrafter):
         if self.kv.size == 0 and not self.off:
             self._choose(step)
             self.kv = KVState(step.tokens.shape[0], step.tokens.device, self.model.config)
-            if self.length is not self.timed_length:  # sampling: the cost is the chosen model's
+            if self.length is not None and self.length is not self.timed_length:  # sampling: the chosen model's cost
                 self.length = self._sampled_length()
         super().observe(step)
 

@@ -60,6 +60,9 @@ class StagedDrafter(DraftModelDrafter):
             keep[row, kept] = True
         return keep
 
+    def _kept_in_place(self) -> bool | None:
+        return None  # the kept nodes of a tree need not be a prefix of the slots fed: looked up
+
     def _nodes_fed(self, rows: int) -> list[int]:
         return [len(slots) for slots in self.node_slot]
 
