@@ -176,7 +176,7 @@ class Engine:
         if plan.captured_step:  # the verify forward over static buffers per bucket; drafting reads nothing
             self._verify_forward = cuda.StepGraphs(target, compiled=options.compile)
             self.drafter.sync_free = True  # lookup first passes it to both of its drafters
-        self._packed = cpu.PackCache()  # packed copies of the linear weights, owned here, not by modules
+        self._packed = cpu.shared_pack_cache(target)  # packed copies of the weights, not on the modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
         self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
         self._lean: cpu.lean_forward.LeanForward | None = None  # this call's, made when it began

@@ -424,3 +424,25 @@ def test_grouped_linears_need_inputs_in_groups():
     with pytest.raises(ValueError, match="int8 groups need in_features divisible by 32; got \\(8, 40\\)"):
         linear.Int8Linear(torch.randn(8, 40), group=True)
     assert linear.Int8Linear(torch.randn(8, 40)).scale.shape == (8,)  # rows: any width
+
+
+def test_engines_over_one_target_share_its_packed_copies_and_free_them_with_the_last():
+    """Every engine over one target holds the same packed copies (one per weight, however many engines: a
+    benchmark's dozen engines over an fp32 1B target each packing its own ran 24 GB out); the last one dropped frees
+    them, and another target gets its own."""
+    import gc
+    import weakref
+
+    target = tiny_model("llama")
+    ids = torch.randint(3, 60, (1, 80), generator=torch.Generator().manual_seed(0))  # more rows than are streamed
+    first, second = SelfSpecModel(target, "none", lean_verify=False), SelfSpecModel(target, "ngram", lean_verify=False)
+    other = SelfSpecModel(tiny_model("llama"), "none", lean_verify=False)
+    for model in (first, second, other):
+        model.generate(ids, max_new_tokens=2)  # the prompt's 80 rows run on packed weights
+    cache = first._packed
+    assert cache is second._packed and cache is not other._packed
+    assert len(cache) == len(other._packed) > 0  # each weight packed once
+    freed = weakref.ref(cache)
+    del first, second, cache
+    gc.collect()
+    assert freed() is None

@@ -6,7 +6,7 @@
 - `argmax_head`: an int8 copy of the LM head for greedy verification, exact for every token that could win;
 - `gqa_attention`: sdpa over grouped K/V heads without a copy of the cache per query head.
 
-The engine reaches them through this module only (`PackCache`, `prepacked_linears`, `lean_verify_forward`,
+The engine reaches them through this module only (`shared_pack_cache`, `prepacked_linears`, `lean_verify_forward`,
 `attention`); on any other device each is a no-op or stands aside. Where they pay is decided before the engine
 runs (`infer.tuning.plan`, which reads the submodules).
 """
@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 
 from . import argmax_head, gqa_attention, lean_forward, linear
-from .linear import PackCache, prepacked_linears
+from .linear import PackCache, prepacked_linears, shared_pack_cache
 
 
 def attention(target, impl: str) -> str:
@@ -38,4 +38,4 @@ def lean_verify_forward(target, stream_rows: int, packed: PackCache,
 
 
 __all__ = ["PackCache", "argmax_head", "attention", "gqa_attention", "lean_forward", "lean_verify_forward", "linear",
-           "prepacked_linears"]
+           "prepacked_linears", "shared_pack_cache"]

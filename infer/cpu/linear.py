@@ -93,6 +93,23 @@ class PackCache:
         return cached[2]
 
 
+_shared_lock = threading.Lock()
+_shared: weakref.WeakValueDictionary[int, PackCache] = weakref.WeakValueDictionary()  # id(model) -> its cache
+
+
+def shared_pack_cache(model: nn.Module) -> PackCache:
+    """The `PackCache` that every engine over `model` holds while any of them does: one packed copy of a weight
+    however many engines run it (an fp32 1B target's copy is 5 GB; a benchmark's dozen engines over one target each
+    packing their own ran a 24 GB machine out of memory), freed with the last engine that held it."""
+    with _shared_lock:
+        cache = _shared.get(id(model))
+        if cache is None or cache.model() is not model:  # none yet, or another model's at a reused address
+            cache = PackCache()
+            cache.model = weakref.ref(model)
+            _shared[id(model)] = cache
+        return cache
+
+
 def _forward(layer: nn.Linear, plain_forward):
     """The layer's forward while any block patches it: the packed or streamed path where the calling thread is in
     a block that covers the layer, else the layer's own (another thread, sharing the model, asked for nothing)."""
