@@ -178,6 +178,7 @@ class Engine:
             self.drafter.sync_free = True  # lookup first passes it to both of its drafters
         self._packed = cpu.shared_pack_cache(target)  # packed copies of the weights, not on the modules
         self._stream_rows = plan.stream_rows  # verify blocks of 2..this many rows run on the streamed kernel
+        self._one_row = plan.stream_one_row  # and one fp32 row too, where it beat torch's GEMV here
         self._lean_verify = plan.lean_verify  # the verify forward without transformers' module machinery
         self._lean: cpu.lean_forward.LeanForward | None = None  # this call's, made when it began
         own.lean_forwards(plan.drafter_stream_rows, int8=options.int8_drafter)  # its forwards lean too, or not
@@ -202,9 +203,10 @@ class Engine:
         it up (prepacked linears, the lean forward), to time a step's parts (`train.apps.bench`). A compiled or captured
         verify runs on the static cache it was made for: there the eager forward is given, and its name says so."""
         with torch.inference_mode(), generation_mode(self.target), cpu.prepacked_linears(
-                self.target, cache=self._packed, enabled=self.cpu_prepack, stream_rows=self._stream_rows):
-            lean = (cpu.lean_verify_forward(self.target, self._stream_rows, self._packed, argmax_only=self.int8_argmax)
-                    if self._lean_verify else None)
+                self.target, cache=self._packed, enabled=self.cpu_prepack, stream_rows=self._stream_rows,
+                one_row=self._one_row):
+            lean = (cpu.lean_verify_forward(self.target, self._stream_rows, self._packed, argmax_only=self.int8_argmax,
+                                            one_row=self._one_row) if self._lean_verify else None)
             name = "lean" if lean is not None else "transformers"
             if self._verify_forward is not None:
                 name += f" (eager: the {self._verify_forward_name()} forward needs its static cache)"
@@ -258,7 +260,7 @@ class Engine:
             packed_target = None if self._verify_forward is not None else self.target
             with generation_mode(self.target), _cyclic_gc_paused(), cpu.prepacked_linears(
                     packed_target, getattr(self.drafter, "model", None), cache=self._packed,
-                    enabled=self.cpu_prepack, stream_rows=self._stream_rows):
+                    enabled=self.cpu_prepack, stream_rows=self._stream_rows, one_row=self._one_row):
                 out = self._generate(input_ids, attention_mask, call, streamer, generator)
             self.last_stats["batch_drafting"] = batch_drafting
             return out
@@ -449,7 +451,7 @@ class Engine:
         reads_more = (settings.sampling.do_sample or settings.typical or settings.suppress or settings.begin_suppress
                       or (settings.min_new_tokens and settings.eos))
         return cpu.lean_verify_forward(self.target, self._stream_rows, self._packed,
-                                       argmax_only=self.int8_argmax and not reads_more)
+                                       argmax_only=self.int8_argmax and not reads_more, one_row=self._one_row)
 
     def _new_cache(self, input_ids: torch.Tensor, max_new_tokens: int) -> KVState:
         """The target's KV cache for one generate call: growing, or static with room for the whole request."""

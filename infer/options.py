@@ -171,3 +171,6 @@ class Plan:
     # greedy acceptance walks the tree on the host, from one read of the target's choices: where the target runs on
     # a CPU, a read costs nothing and a Python walk fewer calls than the device's tensor ops (`verify.accept_greedy_host`)
     host_acceptance: bool = False
+    # an fp32 target's one-row blocks (a step without drafts) on the streamed kernel, where it beat torch's GEMV by a
+    # margin on this machine (`infer.tuning.plan.stream_one_row`)
+    stream_one_row: bool = False

@@ -165,9 +165,62 @@ def test_stream_rows_is_measured_once_per_machine(monkeypatch, tmp_path):
     rows = plan.stream_rows(model, repeats=1)
     assert rows == 0 or rows in plan.STREAM_SIZES
     (entry,) = (tmp_path / "calibration").glob("stream_rows-*.json")
-    assert set(json.loads(entry.read_text())["seconds"]) == {"streamed", "onednn"}
+    written = json.loads(entry.read_text())
+    assert set(written["seconds"]) == {"streamed", "onednn", "one_row"}  # fp32: one row against torch's GEMV too
+    assert set(written["seconds"]["one_row"]) == {"streamed", "gemv"}
+    assert written["one_row"] is plan.choose_one_row(written["seconds"])
     monkeypatch.setattr(linear, "streamed_kernel", lambda: pytest.fail("measured again"))
     assert plan.stream_rows(model) == rows  # read from the cache
+    assert plan.stream_one_row(model) is written["one_row"]
+
+
+def test_one_fp32_row_leaves_torchs_gemv_only_where_the_kernel_is_clearly_faster():
+    from infer.tuning.plan import ONE_ROW_SHARE, choose_one_row
+
+    # a 1B fp32 model's weights on this project's Zen 5 host, 2026-11-29 (torch's GEMV 23 GB/s, the kernel 38)
+    assert choose_one_row({"one_row": {"streamed": 0.130, "gemv": 0.215}})
+    assert not choose_one_row({"one_row": {"streamed": 0.100, "gemv": 0.105}})  # a near tie keeps transformers' sums
+    assert choose_one_row({"one_row": {"streamed": ONE_ROW_SHARE, "gemv": 1.0}})
+    assert not choose_one_row({"streamed": {}, "onednn": {}})  # bf16: one row is in stream_rows
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_one_fp32_row_runs_on_the_kernel_where_asked(bias):
+    """With `one_row`, one fp32 row runs on the streamed kernel (fp32 sums in its own order, close to torch's);
+    without it, torch's own GEMV, bit for bit."""
+    kernel = _kernel()
+    torch.manual_seed(0)
+    layer = nn.Linear(96, 40, bias=bias)
+    x = torch.randn(1, 1, 96)
+    with torch.no_grad(), linear.prepacked_linears(layer, stream_rows=0, one_row=True):
+        got = layer(x)
+    assert torch.equal(got[0], kernel.few_rows_linear(x[0], layer.weight, layer.bias))
+    torch.testing.assert_close(got, nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), linear.prepacked_linears(layer, stream_rows=16):
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("lean", [True, False])
+def test_an_engine_streaming_one_row_stays_exact(lean, monkeypatch):
+    """Where the plan sends one fp32 row to the streamed kernel, the steps without drafts run there (the lean
+    forward's layers in one kernel call, or the modules' linears) and greedy output is still transformers'."""
+    from infer.tuning import plan
+
+    kernel = _kernel()
+    monkeypatch.setattr(plan, "stream_one_row", lambda model, **_: True)
+    calls = []
+    spy = type("Spy", (), {"__getattr__": lambda self, name: getattr(kernel, name),
+                           "few_rows_linear": lambda self, x, *a: calls.append(x.shape[0]) or kernel.few_rows_linear(x, *a),
+                           "decoder_layer": lambda self, x, *a: calls.append((x.shape[0] * x.shape[1], a[-1]))
+                           or kernel.decoder_layer(x, *a)})()
+    monkeypatch.setattr(linear, "streamed_kernel", lambda: spy)
+    target = tiny_model("llama")
+    ids = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
+    expected = target.generate(ids, max_new_tokens=20, do_sample=False)
+    model = SelfSpecModel(target, "none", lean_verify=lean)
+    assert torch.equal(model.generate(ids, max_new_tokens=20), expected)
+    assert model.last_stats["verify_forward"] == ("lean" if lean else "transformers")
+    assert (1, True) in calls if lean else 1 in calls  # a row's layer in one call, its linears streamed; a row
 
 
 def test_stream_rows_gives_near_ties_to_the_streamed_kernel():

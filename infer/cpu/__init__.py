@@ -25,15 +25,15 @@ def attention(target, impl: str) -> str:
     return gqa_attention.NAME if impl == "sdpa" and target.device.type == "cpu" else impl
 
 
-def lean_verify_forward(target, stream_rows: int, packed: PackCache,
-                        argmax_only: bool) -> lean_forward.LeanForward | None:
+def lean_verify_forward(target, stream_rows: int, packed: PackCache, argmax_only: bool,
+                        one_row: bool = False) -> lean_forward.LeanForward | None:
     """This call's lean forward of `target`, or None where the model's own must run: a forward hook of the user's on
     it (hooks see every forward), or a layer adapted since the plan was made. Made per call: the user may have
     added a hook, adapted a layer (LoRA, quantization) or swapped a weight since the last one."""
     if lean_forward.user_hooks(target):
         return None
     with contextlib.suppress(lean_forward.Unsupported):
-        return lean_forward.LeanForward(target, stream_rows, packed, argmax_only=argmax_only)
+        return lean_forward.LeanForward(target, stream_rows, packed, argmax_only=argmax_only, one_row=one_row)
     return None
 
 

@@ -260,12 +260,12 @@ class LeanLayers:
     COMPACT_ROWS = linear.Int4Linear.KERNEL_ROWS
 
     def __init__(self, layers: list, stream_rows: int, packed: linear.PackCache | None,
-                 compact: list[Layer | None] | None = None):
-        self.layers, self.stream_rows, self.packed = layers, stream_rows, packed
+                 compact: list[Layer | None] | None = None, one_row: bool = False):
+        self.layers, self.stream_rows, self.packed, self.one_row = layers, stream_rows, packed, one_row
         self.compact = compact or [None] * len(layers)
         quantized = any(m.quantized for layer in layers + [c for c in self.compact if c is not None]
                         for m in layer.linears)
-        self.kernel = linear.streamed_kernel() if stream_rows > 1 or quantized else None
+        self.kernel = linear.streamed_kernel() if stream_rows > 1 or quantized or one_row else None
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
         self.native = [] if self.kernel is None else [natives(layer) for layer in layers]
@@ -349,7 +349,8 @@ class LeanLayers:
         ones always do: nothing else here runs them)."""
         if self.kernel is None:
             return False
-        return all(m.quantized for m in linears) or (1 < rows <= self.stream_rows and all(m.streamable for m in linears))
+        fits = 1 < rows <= self.stream_rows or (rows == 1 and self.one_row)  # one row: `one_row`, else ATen's GEMV
+        return all(m.quantized for m in linears) or (fits and all(m.streamable for m in linears))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
@@ -383,7 +384,7 @@ class LeanForward(LeanLayers):
     not copies): make a new one when the model may have changed, as the engine does at every call."""
 
     def __init__(self, target, stream_rows: int, packed: linear.PackCache | None, argmax_only: bool = False,
-                 quantized: bool = False):
+                 quantized: bool = False, one_row: bool = False):
         """`argmax_only`: the caller reads nothing but each node's argmax (the engine's greedy verify), so the
         logits come from `infer.cpu.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
         where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
@@ -402,7 +403,7 @@ class LeanForward(LeanLayers):
         grid = None
         if packed is not None and not quantized and linear.streamed_kernel() is not None:
             grid = [layer.on_grid(packed) for layer in layers]
-        super().__init__(layers, stream_rows, packed, grid)
+        super().__init__(layers, stream_rows, packed, grid, one_row)
         self.target = target
         inner = target.model
         self.embed, self.rotary, self.final_norm = inner.embed_tokens, inner.rotary_emb, norm_of(inner.norm)

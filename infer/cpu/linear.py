@@ -123,12 +123,14 @@ def _forward(layer: nn.Linear, plain_forward):
         setting = getattr(_this_thread, "layers", {}).get(key)
         if setting is None:
             return plain_forward(x)
-        cache, stream_rows, kernel = setting
+        cache, stream_rows, kernel, one_row = setting
         if x.dtype == layer.weight.dtype == torch.bfloat16:
             return _bf16_forward(layer, x, rows, stream_rows, kernel, plain_forward)
-        if rows <= 1 or x.dtype != torch.float32 or layer.weight.dtype != torch.float32:
-            return plain_forward(x)  # one row (decode): the stock GEMV streams fp32 weights at the memory's pace
-        if kernel is not None and rows <= stream_rows:
+        if x.dtype != torch.float32 or layer.weight.dtype != torch.float32 or rows < 1:
+            return plain_forward(x)
+        if rows == 1 and not (one_row and kernel is not None):
+            return plain_forward(x)  # one row (decode): torch's GEMV, where it keeps pace (`stream_one_row`)
+        if kernel is not None and (rows == 1 or rows <= stream_rows):
             y = kernel.few_rows_linear(x.reshape(rows, x.shape[-1]), layer.weight, layer.bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return torch.ops.mkldnn._linear_pointwise(x, cache.get(layer.weight), layer.bias, "none", [], "")
@@ -161,11 +163,12 @@ _this_thread = threading.local()  # .layers: id(layer) -> (cache, stream_rows, k
 
 @contextlib.contextmanager
 def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None, enabled: bool = True,
-                      stream_rows: int = 0):
+                      stream_rows: int = 0, one_row: bool = False):
     """Within the block, the `nn.Linear` layers of `models` run multi-row fp32 CPU inputs on packed weights
     from `cache` (a fresh one, dropped at exit, if None); blocks of 2..`stream_rows` rows run on the
-    streamed kernel instead, where it could be built. Only the calling thread's forwards: another thread using
-    the same layers meanwhile runs them as they are, or as its own block says."""
+    streamed kernel instead, where it could be built, and with `one_row` one fp32 row too (else torch's GEMV). Only
+    the calling thread's forwards: another thread using the same layers meanwhile runs them as they are, or as its
+    own block says."""
     cache = PackCache() if cache is None else cache
     with _patch_lock:
         found = {id(m): m for model in models if model is not None and enabled for m in model.modules()
@@ -177,8 +180,9 @@ def prepacked_linears(*models: nn.Module | None, cache: PackCache | None = None,
                 layer.forward = _patched[id(layer)][0]
             _patched[id(layer)][1] += 1
     outer = getattr(_this_thread, "layers", {})
-    _this_thread.layers = {**outer, **{id(layer): (cache, stream_rows, streamed_kernel() if stream_rows > 0
-                                                   and layer.weight.is_contiguous() else None) for layer in layers}}
+    _this_thread.layers = {**outer, **{id(layer): (cache, stream_rows, streamed_kernel() if (stream_rows > 0 or one_row)
+                                                   and layer.weight.is_contiguous() else None, one_row)
+                                       for layer in layers}}
     try:
         yield
     finally:

@@ -106,7 +106,7 @@ def plan(target, drafter, options: EngineOptions, prepack: bool, tree: dict | st
     drafting = as_drafter(drafter, target, options.tokenizer, options.lookup_first, tree)
     rows = stream_rows(target) if prepack else 0
     lean = options.lean_verify is not False and _lean_problem(target, options, prepack) is None
-    return Plan(options, drafting, prepack, rows, lean,
+    return Plan(options, drafting, prepack, rows, lean, stream_one_row=prepack and stream_one_row(target),
                 # the drafter's lean forward takes fp32 features: a bf16 target's (streamed too) would not do
                 drafter_stream_rows=rows if options.lean_verify is not False and prepack
                 and target.dtype == torch.float32 else None,
@@ -161,6 +161,10 @@ STREAM_SIZES = (2, 4, 8, 16, 32)  # block rows at which the two multi-row kernel
 # oneDNN's path has; a 2-row tie lost by 1% here has cost the whole verify step far more (docs/benchmarks.md,
 # "The engine's cost on a CPU").
 STREAM_TIE = 0.05
+# One fp32 row leaves torch's GEMV, whose sums are transformers' own, for the streamed kernel only where that is
+# clearly faster (its time at most this share of the GEMV's): torch's GEMV read fp32 weights at 16-28 GB/s on a Zen 5
+# host whose memory gave 45 (the kernel 34-41), while on other CPUs it keeps pace with the memory.
+ONE_ROW_SHARE = 0.8
 
 
 def stream_rows(model, *, repeats: int = 3) -> int:
@@ -171,49 +175,77 @@ def stream_rows(model, *, repeats: int = 3) -> int:
     weights stream from memory as in a forward; each kernel is timed at n in STREAM_SIZES, the median of
     `repeats` runs after a warm-up, the two kernels alternating. The answer is `choose_stream_rows`'s,
     cached per model shape, device, threads and kernel source."""
+    return _stream_choice(model, repeats)["rows"]
+
+
+def stream_one_row(model, *, repeats: int = 3) -> bool:
+    """Whether one row of an fp32 `model` goes to the streamed kernel rather than torch's GEMV on this machine
+    (`choose_one_row`, from the same timing and cache as `stream_rows`). A bf16 model's one row is in
+    `stream_rows` already (it is 1 or more where the kernel wins there)."""
+    return _stream_choice(model, repeats)["one_row"]
+
+
+def _stream_choice(model, repeats: int) -> dict:
+    """{"rows": stream_rows's answer, "one_row": stream_one_row's}: timed once, cached."""
     weights = [m.weight.detach() for m in model.modules()
                if type(m) is torch.nn.Linear and linear._plain(m.weight)]
     if not weights or weights[0].device.type != "cpu" or not linear.available():
-        return 0
+        return {"rows": 0, "one_row": False}
     fields = {"model": fingerprint(model), "device": device_name(weights[0].device),
               "threads": torch.get_num_threads(), "kernel": digest(linear.KERNEL_SOURCE.read_text()),
-              "tie": STREAM_TIE}  # a cache written under another rule is measured anew
+              "tie": STREAM_TIE, "one_row": ONE_ROW_SHARE}  # a cache written under another rule is measured anew
     cached = read_cache("stream_rows", fields)
     if cached is not None:
-        return cached["rows"]
+        return cached
     kernel = linear.streamed_kernel()
     if kernel is None:
-        return 0
+        return {"rows": 0, "one_row": False}
     seconds = _time_kernels(weights, kernel, repeats)
-    rows = choose_stream_rows(seconds)
-    write_cache("stream_rows", fields, {"rows": rows, "seconds": seconds})
-    return rows
+    choice = {"rows": choose_stream_rows(seconds), "one_row": choose_one_row(seconds), "seconds": seconds}
+    write_cache("stream_rows", fields, choice)
+    return choice
 
 
 def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str, dict[int, float]]:
     """Median seconds of every weight times n random rows, per kernel and n in STREAM_SIZES; bf16 weights from one
-    row on, against torch's own bf16 matmul (they are never packed: the streamed kernel reads them in place)."""
+    row on, against torch's own bf16 matmul (they are never packed: the streamed kernel reads them in place); fp32
+    weights at one row too, against torch's GEMV (`one_row`)."""
     packed = linear.PackCache()
     seconds = {"streamed": {}, "onednn": {}}
     bf16 = weights[0].dtype == torch.bfloat16
+    streamed = lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights]  # noqa: E731
+    plain = lambda inputs: [F.linear(inputs[w.shape[1]], w) for w in weights]  # noqa: E731
     runs = {  # inputs: in_features -> [n, in_features]
-        "streamed": lambda inputs: [kernel.few_rows_linear(inputs[w.shape[1]], w, None) for w in weights],
-        "onednn": (lambda inputs: [F.linear(inputs[w.shape[1]], w) for w in weights]) if bf16 else
+        "streamed": streamed,
+        "onednn": plain if bf16 else
                   (lambda inputs: [torch.ops.mkldnn._linear_pointwise(inputs[w.shape[1]], packed.get(w), None,
                                                                       "none", [], "") for w in weights]),
     }
+
+    def median_seconds(runs: dict, n: int) -> dict[str, float]:
+        inputs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=weights[0].dtype) for w in weights}
+        times = {name: [] for name in runs}
+        for _ in range(repeats + 1):  # the kernels alternate, so a slow spell of the machine hits both
+            for name, run in runs.items():
+                tic = time.perf_counter()
+                run(inputs)
+                times[name].append(time.perf_counter() - tic)
+        # the first run is a warm-up (it packs oneDNN's weights)
+        return {name: statistics.median(times[name][1:]) for name in runs}
+
     with torch.inference_mode():
         for n in ((1, *STREAM_SIZES) if bf16 else STREAM_SIZES):
-            inputs = {w.shape[1]: torch.randn(n, w.shape[1], dtype=weights[0].dtype) for w in weights}
-            times = {name: [] for name in runs}
-            for _ in range(repeats + 1):  # the kernels alternate, so a slow spell of the machine hits both
-                for name, run in runs.items():
-                    tic = time.perf_counter()
-                    run(inputs)
-                    times[name].append(time.perf_counter() - tic)
-            for name in runs:  # the first run is a warm-up (it packs oneDNN's weights)
-                seconds[name][n] = statistics.median(times[name][1:])
+            for name, t in median_seconds(runs, n).items():
+                seconds[name][n] = t
+        if not bf16:
+            seconds["one_row"] = median_seconds({"streamed": streamed, "gemv": plain}, 1)
     return seconds
+
+
+def choose_one_row(seconds: dict) -> bool:
+    """Whether the streamed kernel took at most ONE_ROW_SHARE of torch's GEMV's time on one fp32 row."""
+    one = seconds.get("one_row")
+    return one is not None and one["streamed"] <= ONE_ROW_SHARE * one["gemv"]
 
 
 def choose_stream_rows(seconds: dict[str, dict[int, float]]) -> int:

@@ -27,7 +27,7 @@ from ..kv import KVState, cache_argument, forward_block
 from ..sampling import SamplingParams
 from ..target import generation_mode, max_positions
 from .cache import config_hash, device_name, digest, fingerprint, read_cache, write_cache
-from .plan import engine, prepack_default, stream_rows
+from .plan import engine, prepack_default, stream_one_row, stream_rows
 
 MAX_NODES = 64  # the largest tree calibration considers (drafted nodes, the root not counted)
 EVICT_BYTES = 128 << 20  # written before each timed CPU run: more than a last-level cache holds
@@ -141,34 +141,36 @@ def verify_costs(target, max_nodes: int = MAX_NODES, *, context: int = 256, repe
     context and forward (the lean forward's and its kernel's source included: new code is measured anew)."""
     prepack = prepack_default(target, prepack)
     context = fitting_context(target, context, max_nodes + 1)
-    streamed, lean = _verify_setup(target, prepack)
-    with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
+    streamed, lean, one_row = _verify_setup(target, prepack)
+    with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed,
+                                                           one_row=one_row):
         fields = {"target": fingerprint(target), "device": device_name(target.device),
                   "threads": torch.get_num_threads(), "context": context, "prepack": prepack,
-                  "stream_rows": streamed, "attention": target.config._attn_implementation,  # as generate runs it
+                  "stream_rows": streamed, "one_row": one_row, "attention": target.config._attn_implementation,  # as generate runs it
                   "forward": f"lean {_lean_source_hash()}" if lean else "transformers", "caches": "evicted"}
         cached = read_cache("verify", fields)
         if cached is not None and len(cached["seconds"]) > max_nodes:
             return cached["seconds"][: max_nodes + 1]
-        costs = block_costs(target, _verify_model(target, streamed, lean), context, list(range(1, max_nodes + 2)),
-                            repeats)
+        costs = block_costs(target, _verify_model(target, streamed, lean, one_row), context,
+                            list(range(1, max_nodes + 2)), repeats)
     _eviction_buffer.cache_clear()  # its 128 MB are not kept past the measurement
     curve = [costs[n + 1] for n in range(max_nodes + 1)]
     write_cache("verify", fields, {"target_name": getattr(target, "name_or_path", None), "seconds": curve})
     return curve
 
 
-def _verify_setup(target, prepack: bool) -> tuple[int, bool]:
-    """How the engine verifies on this machine: the streamed kernel's largest block (0: none), and whether the
-    lean forward runs."""
+def _verify_setup(target, prepack: bool) -> tuple[int, bool, bool]:
+    """How the engine verifies on this machine: the streamed kernel's largest block (0: none), whether the lean
+    forward runs, and whether one fp32 row goes to the streamed kernel (`stream_one_row`)."""
     streamed = stream_rows(target) if prepack else 0
-    return streamed, prepack and lean_forward.why_not(target) is None
+    return streamed, prepack and lean_forward.why_not(target) is None, prepack and stream_one_row(target)
 
 
-def _verify_model(target, streamed: int, lean: bool):
+def _verify_model(target, streamed: int, lean: bool, one_row: bool):
     """The forward a verify step runs: greedy, as calibration measures acceptance, so the lean forward reads each
     node's argmax only."""
-    return lean_forward.LeanForward(target, streamed, linear.PackCache(), argmax_only=True) if lean else target
+    return lean_forward.LeanForward(target, streamed, linear.PackCache(), argmax_only=True,
+                                    one_row=one_row) if lean else target
 
 
 def batch_costs(target, drafter, tree: dict, nodes: int, batch: int, *, context: int, repeats: int,
@@ -177,16 +179,17 @@ def batch_costs(target, drafter, tree: dict, nodes: int, batch: int, *, context:
     `tree` (`nodes` drafted nodes a row), "verify_seconds" of the verify forward over the root and those nodes, and
     "no_drafts_verify_seconds" over the root alone, each row after a `context`-token prompt. Cached per target
     shape, drafter, tree, device, threads, context, batch and the engine's source."""
-    streamed, lean = _verify_setup(target, prepack)
+    streamed, lean, one_row = _verify_setup(target, prepack)
     fields = {"target": fingerprint(target), "drafter": config_hash(drafter.config),
               "tree": json.dumps(tree, sort_keys=True), "device": device_name(target.device),
               "threads": torch.get_num_threads(), "context": context, "prepack": prepack, "batch": batch,
               "engine": _engine_source_hash(), "caches": "evicted"}
     cached = read_cache("batch", fields)
     if cached is None:
-        with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed):
-            verify = block_costs(target, _verify_model(target, streamed, lean), context, [1, nodes + 1], repeats,
-                                 batch=batch)
+        with generation_mode(target), linear.prepacked_linears(target, enabled=prepack, stream_rows=streamed,
+                                                               one_row=one_row):
+            verify = block_costs(target, _verify_model(target, streamed, lean, one_row), context, [1, nodes + 1],
+                                 repeats, batch=batch)
         draft = draft_costs(target, drafter, [tree], context=context, repeats=repeats, prepack=prepack,
                             batch=batch)[0]
         _eviction_buffer.cache_clear()
@@ -257,7 +260,7 @@ def draft_costs(target, drafter, trees: list[dict], *, context: int = 256, repea
     timed, observe = {}, None
     streamed = stream_rows(target) if prepack else 0
     with generation_mode(target), torch.inference_mode(), linear.prepacked_linears(
-            target, drafter, enabled=prepack, stream_rows=streamed):
+            target, drafter, enabled=prepack, stream_rows=streamed, one_row=prepack and stream_one_row(target)):
         out = target(ids, output_hidden_states=bool(drafter.feature_layers))
         features = tuple(out.hidden_states[i] for i in drafter.feature_layers)
         ones = torch.ones_like(ids, dtype=torch.bool)
