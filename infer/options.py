@@ -29,8 +29,10 @@ class EngineOptions:
 
     `cpu_prepack`: run multi-row matmuls of target and drafter on prepacked oneDNN weights (`infer.cpu`), or on
     selfspec's streamed kernel for the block sizes where it measured faster on this machine
-    (`infer.tuning.plan.stream_rows`, timed once per machine and cached); None = on for an fp32 CPU target whose
-    linear weights take at most a quarter of RAM (off for the target when its verify is compiled).
+    (`infer.tuning.plan.stream_rows`, timed once per machine and cached), and one fp32 row there too where it beat
+    torch's GEMV by a margin (`stream_one_row`: fp32 sums in another order than transformers', so only where it pays);
+    None = on for an fp32 CPU target whose linear weights take at most a quarter of RAM (off for the target when its
+    verify is compiled).
 
     `lookup_first`: wrap the drafter in `LookupFirstDrafter` (prompt lookup where the context repeats itself, the
     drafter elsewhere); None = as a trained drafter's config says (`lookup_first`, set by
