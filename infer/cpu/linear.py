@@ -158,7 +158,7 @@ def _plain(weight: torch.Tensor) -> bool:
 # block holds it and restored when the last one leaves, and each thread's blocks say what its own calls run on.
 _patch_lock = threading.Lock()
 _patched: dict[int, list] = {}  # id(layer) -> [the patched forward, blocks holding it (any thread)]
-_this_thread = threading.local()  # .layers: id(layer) -> (cache, stream_rows, kernel) of this thread's blocks
+_this_thread = threading.local()  # .layers: id(layer) -> (cache, stream_rows, kernel, one_row) of its blocks
 
 
 @contextlib.contextmanager

@@ -206,7 +206,7 @@ def _stream_choice(model, repeats: int) -> dict:
     return choice
 
 
-def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str, dict[int, float]]:
+def _time_kernels(weights: list[torch.Tensor], kernel, repeats: int) -> dict[str, dict]:
     """Median seconds of every weight times n random rows, per kernel and n in STREAM_SIZES; bf16 weights from one
     row on, against torch's own bf16 matmul (they are never packed: the streamed kernel reads them in place); fp32
     weights at one row too, against torch's GEMV (`one_row`)."""
