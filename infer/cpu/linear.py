@@ -73,6 +73,7 @@ class PackCache:
     def __init__(self):
         # (id, kind) -> (ref, version, derived)
         self._derived: dict[tuple[int, str], tuple[weakref.ref, int, object]] = {}
+        self.owner: weakref.ref | None = None  # the model whose engines share it (`shared_pack_cache`)
 
     def __len__(self) -> int:
         return len(self._derived)
@@ -103,9 +104,9 @@ def shared_pack_cache(model: nn.Module) -> PackCache:
     packing their own ran a 24 GB machine out of memory), freed with the last engine that held it."""
     with _shared_lock:
         cache = _shared.get(id(model))
-        if cache is None or cache.model() is not model:  # none yet, or another model's at a reused address
+        if cache is None or cache.owner() is not model:  # none yet, or another model's at a reused address
             cache = PackCache()
-            cache.model = weakref.ref(model)
+            cache.owner = weakref.ref(model)
             _shared[id(model)] = cache
         return cache
 

@@ -560,8 +560,8 @@ torch::Tensor few_rows_linear_cat(const torch::Tensor& x_in, const std::vector<t
     const c10::optional<torch::Tensor> none;
     format[i] = check_weight(weights[i], scales.empty() ? none : scales[i], lows.empty() ? none : lows[i], K,
                              "few_rows_linear");
-    const int64_t N = weights[i].size(0), B = item_rows;
-    first[i + 1] = first[i] + N / B + N % B;
+    const int64_t N = weights[i].size(0);
+    first[i + 1] = first[i] + N / item_rows + N % item_rows;
     column[i] = width;
     width += N;
   }
