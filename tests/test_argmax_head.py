@@ -90,8 +90,62 @@ def test_a_flat_head_is_scored_in_full(kernel):
 
 
 def test_bad_weights_are_refused(kernel):
-    with pytest.raises(ValueError, match="fp32 CPU weight"):
+    with pytest.raises(ValueError, match="fp32 or bf16 CPU weight"):
         ArgmaxHead(torch.randn(8, 4, dtype=torch.float16), kernel)
+
+
+def _bf16_head(kernel, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None):
+    """A bf16 head's argmax logits and the full head's as the lean forward computes them on the kernel: fp32 sums
+    of bf16 products, rounded to bf16."""
+    full = kernel.few_rows_linear(x, weight, None if bias is None else bias.float()).to(torch.bfloat16)
+    return ArgmaxHead(weight, kernel).logits(x, bias), full
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 4, 9])
+def test_a_bf16_head_gives_the_full_heads_argmax_and_bits(kernel, rows, with_bias):
+    torch.manual_seed(rows)
+    weight = (torch.randn(4099, 96) * torch.rand(4099, 1) * 0.2).to(torch.bfloat16)
+    weight[::7, 3] = 1.5
+    bias = (torch.randn(4099) * 0.1).to(torch.bfloat16) if with_bias else None
+    x = (torch.randn(rows, 96) * 3).to(torch.bfloat16)
+    got, full = _bf16_head(kernel, weight, x, bias)
+    assert got.dtype == torch.float32
+    assert torch.equal(got.argmax(-1), full.argmax(-1))
+    finite = torch.isfinite(got)
+    assert torch.equal(got[finite], full.float()[finite])  # a candidate's logit: the full head's bits
+    assert (got[~finite] == -float("inf")).all()
+    assert finite.any(0).sum() < 0.125 * 4099
+
+
+def test_a_bf16_tie_goes_to_the_first_token_as_in_the_full_head(kernel):
+    # Rows on the int8 grid (integers, scale 1: the int8 copy is exact, so the bound is float rounding only).
+    # With x = (1, 1/8), token 3's logit is 127 - 1/8 and token 5's 127: apart in fp32, both 127 in bf16, where the
+    # first index wins. The candidates must include token 3 though its fp32 logit trails by far more than the bound.
+    weight = torch.zeros(64, 32)
+    weight[:, 0] = torch.arange(64) % 3
+    weight[3, :2] = torch.tensor([127.0, -1.0])
+    weight[5, 0] = 127.0
+    weight = weight.to(torch.bfloat16)
+    x = torch.zeros(1, 32, dtype=torch.bfloat16)
+    x[0, :2] = torch.tensor([1.0, 0.125])
+    got, full = _bf16_head(kernel, weight, x)
+    assert full[0, 3] == full[0, 5] == 127 and full.argmax(-1).item() == 3
+    assert got.argmax(-1).item() == 3
+    assert torch.isfinite(got).sum() < 64
+
+
+def test_a_flat_bf16_head_is_scored_in_full(kernel):
+    weight = (torch.full((256, 32), 0.5) + torch.randn(256, 32) * 1e-3).to(torch.bfloat16)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    got, full = _bf16_head(kernel, weight, x)
+    assert torch.equal(got, full.float())
+
+
+def test_a_bf16_head_wants_bf16_hidden_states(kernel):
+    head = ArgmaxHead(torch.randn(64, 32).to(torch.bfloat16), kernel)
+    with pytest.raises(RuntimeError, match="must both be float32 or both bfloat16"):
+        head.logits(torch.randn(1, 32))
 
 
 def _big_vocab_target():

@@ -136,6 +136,47 @@ def test_a_one_row_block_is_the_models(stream_rows):
     torch.testing.assert_close(got.hidden_states[-1], expected.hidden_states[-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
+def test_a_bf16_target_gets_its_modules_bits(arch, rows):
+    """A bf16 target runs lean: the logits, hidden states and K/V its modules compute in bf16 with their linears on
+    the streamed kernel (the engine's path for it without the lean forward), bit for bit, one row or a tree."""
+    _kernel()
+    target = _lean_target(arch).to(torch.bfloat16)
+    lean = lean_forward.LeanForward(target, 16, linear.PackCache())  # the full logits (no int8 head)
+    assert lean.argmax_head is None and not lean.fused
+    depth = torch.tensor([[0, 1, 1, 2][:rows]] * 2)
+    ancestors = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]],
+                             dtype=torch.bool)[:rows, :rows][None].repeat(2, 1, 1)
+    valid = torch.ones(2, rows, dtype=torch.bool)
+    block = torch.tensor([[11, 12, 13, 14][:rows], [15, 16, 17, 18][:rows]])
+    calls = []
+    few_rows = lean.kernel.few_rows_linear_cat
+    lean.kernel = type("Spy", (), {"few_rows_linear_cat": lambda self, *a: calls.append(a) or few_rows(*a)})()
+    with linear.prepacked_linears(target, stream_rows=16):
+        (expected, got), caches = _forwards_after_prompt(target, (target, lean), block, depth, ancestors, valid)
+    assert len(calls) == 4 * target.config.num_hidden_layers + 1  # q/k/v, o, gate/up, down a layer; the head
+    assert got.logits.dtype == expected.logits.dtype == torch.bfloat16
+    assert torch.equal(got.logits, expected.logits)
+    for h, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
+        assert torch.equal(h, h_expected)
+    for layer, layer_expected in zip(caches[1].layers, caches[0].layers, strict=True):
+        assert torch.equal(layer.keys, layer_expected.keys) and torch.equal(layer.values, layer_expected.values)
+
+
+def test_a_bf16_target_generates_lean_as_through_its_modules():
+    _kernel()
+    target = tiny_model("llama").to(torch.bfloat16)
+    outputs = {}
+    for lean in (True, False):
+        model = SelfSpecModel(target, "ngram", lean_verify=lean)
+        outputs[lean] = model.generate(IDS, max_new_tokens=30)
+        assert model.last_stats["verify_forward"] == ("lean" if lean else "transformers")
+        assert model.last_stats["int8_argmax"] == lean  # greedy: the lean forward's int8 copy of the bf16 head
+    assert torch.equal(outputs[True], outputs[False])
+    assert torch.equal(SelfSpecModel(target, "ngram").generate(IDS, max_new_tokens=30), outputs[True])  # the default
+
+
 @pytest.mark.parametrize("arch", LEAN)
 def test_generate_runs_it_and_stays_exact(arch):
     target = tiny_model(arch)
@@ -218,7 +259,11 @@ def test_other_targets_are_left_to_transformers(arch, reason):
 def test_adapted_or_non_cpu_fp32_targets_are_refused_by_why_not():
     target = tiny_model("llama")
     assert lean_forward.why_not(target) is None
-    assert "fp32" in lean_forward.why_not(tiny_model("llama").to(torch.bfloat16))
+    assert lean_forward.why_not(tiny_model("llama").to(torch.bfloat16)) is None
+    assert "fp32" in lean_forward.why_not(tiny_model("llama").to(torch.float16))
+    mixed = tiny_model("llama").to(torch.bfloat16)
+    mixed.model.norm.float()
+    assert "other dtypes" in lean_forward.why_not(mixed)
     adapted = tiny_model("llama")
     adapted.model.layers[0].self_attn.q_proj = nn.Sequential(adapted.model.layers[0].self_attn.q_proj)
     assert "adapted or quantized" in lean_forward.why_not(adapted)

@@ -17,6 +17,12 @@ the argmax (first index on ties, as torch's) is the one the full head would give
 (already how the lean forward differs from transformers'). A row whose candidates cover too much of the
 vocabulary, or whose hidden state is not finite, is scored in full.
 
+A bf16 head (a bf16 target's) is held the same way, an int8 copy of half its bytes (a Llama-3.2-1B shape's tied head:
+525 MB -> 263 MB, a tenth of a step's reading). Its logits are fp32 sums of exact bf16 products, the same bound
+holds, and each is rounded to bf16 as the target's own head rounds it; two tokens within two bf16 units of each other
+may then tie, so the candidate test widens by that much (`_BF16_TIE`). A candidate is scored by the streamed kernel's
+own bf16 tile, so its logit has the bits the full head on the kernel gives it.
+
 Only the argmax survives, so the engine uses it only where nothing else is read from the logits: greedy
 verification with no token bans (suppress_tokens, min_new_tokens), no typical acceptance (`infer.engine`).
 """
@@ -33,6 +39,10 @@ _U = 2.0 ** -24  # fp32 unit roundoff
 # (each at most a few units of 2^-24 relative to the largest |logit| + bound of the row).
 _RELATIVE_SLACK = 2.0 ** -10
 _ABSOLUTE_SLACK = 2.0 ** -18
+# A bf16 logit is within 2^-8 of its magnitude of its fp32 sum: two tokens whose sums differ by up to 2^-7 of the
+# largest |logit| may round to one value, where the first index wins.
+_BF16_TIE = 2.0 ** -7
+_CHUNK = 8192  # head rows made into int8 at a time
 FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the full fp32 head is cheaper
 
 
@@ -43,29 +53,46 @@ class ArgmaxHead:
     does)."""
 
     def __init__(self, weight: torch.Tensor, kernel=None):
-        """`kernel`: a build of selfspec's CPU kernel (default: this machine's, `linear.streamed_kernel`)."""
-        if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-            raise ValueError(f"ArgmaxHead needs an fp32 CPU weight [V, K], got {weight.dtype} "
+        """`weight`: fp32, or bf16 (a bf16 target's head: the int8 copy is half its bytes, and each logit is rounded to
+        bf16 as the target's own head rounds it). `kernel`: a build of selfspec's CPU kernel (default: this machine's,
+        `linear.streamed_kernel`)."""
+        if weight.dim() != 2 or weight.dtype not in (torch.float32, torch.bfloat16) or weight.device.type != "cpu":
+            raise ValueError(f"ArgmaxHead needs an fp32 or bf16 CPU weight [V, K], got {weight.dtype} "
                              f"{tuple(weight.shape)} on {weight.device}")
         self.kernel = linear.streamed_kernel() if kernel is None else kernel
         if self.kernel is None:
             raise ValueError("ArgmaxHead needs selfspec's CPU kernel, which could not be built here")
         self.weight = weight
-        self.q, self.scale = linear.int8_rows(weight.detach())  # [V, K] int8, [V]
+        vocab, width = weight.shape
+        self.q = torch.empty(vocab, width, dtype=torch.int8)
+        self.scale = torch.empty(vocab)
+        self.rho = torch.empty(vocab)
+        k = width + 2  # the K products' sum, then the scale (and the bias)
+        gamma = k * _U / (1 - k * _U)
         with torch.no_grad():
-            w = weight.detach().double()  # [V, K]
-            approx = self.q.double() * self.scale.double()[:, None]  # w^ exactly: int8 times fp32 fits float64
-            k = weight.shape[1] + 2  # the K products' sum, then the scale (and the bias)
-            gamma = k * _U / (1 - k * _U)
-            rho = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
-            self.rho = (rho * (1 + _RELATIVE_SLACK)).float()  # [V], rounded up by the slack
-        self.max_candidates = int(FULL_FRACTION * weight.shape[0])
+            for start in range(0, vocab, _CHUNK):  # a 1B target's head is 262M weights: float64 copies by chunks
+                w = weight.detach()[start:start + _CHUNK].float()
+                q, scale = linear.int8_rows(w)  # [n, K] int8, [n]
+                self.q[start:start + _CHUNK], self.scale[start:start + _CHUNK] = q, scale
+                w = w.double()
+                approx = q.double() * scale.double()[:, None]  # w^ exactly: int8 times fp32 fits float64
+                rho = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
+                self.rho[start:start + _CHUNK] = rho * (1 + _RELATIVE_SLACK)  # rounded up by the slack
+        # a bf16 head's logits are rounded to bf16, and a token within two of its units of the winner may tie it then
+        self.absolute_slack = _ABSOLUTE_SLACK + (_BF16_TIE if weight.dtype == torch.bfloat16 else 0.0)
+        self.max_candidates = int(FULL_FRACTION * vocab)
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [R, K] fp32 hidden states (after the final norm), the head's `bias` [V] or None -> [R, V]: exact
-        where a token could be the argmax, -inf elsewhere."""
+        """x [R, K] hidden states (after the final norm; the head's dtype), the head's `bias` [V] or None -> [R, V]
+        fp32: exact where a token could be the argmax, -inf elsewhere. A bf16 head's logits are its bf16 values,
+        widened (the same argmax, first index on ties, without torch's slow bf16 argmax)."""
         x = x.contiguous()
         logits = self.kernel.argmax_logits(x, self.weight, self.q, self.scale, self.rho, bias, _RELATIVE_SLACK,
-                                           _ABSOLUTE_SLACK, self.max_candidates)
-        return logits if logits.numel() else F.linear(x, self.weight, bias)
+                                           self.absolute_slack, self.max_candidates)
+        if logits.numel():
+            return logits
+        if self.weight.dtype == torch.bfloat16:  # the head as the lean forward streams it, rounded as it rounds it
+            full = self.kernel.few_rows_linear(x, self.weight, None if bias is None else bias.float())
+            return full.to(torch.bfloat16).float()
+        return F.linear(x, self.weight, bias)

@@ -1,4 +1,4 @@
-"""The target's forward over a verify block, as plain tensor code: Llama-layout targets, fp32, CPU.
+"""The target's forward over a verify block, as plain tensor code: Llama-layout targets, fp32 or bf16, CPU.
 
 A verify step runs the target over a handful of tree nodes. On a small CPU streaming the weights takes most of
 it, and transformers' forward spends half as much again around them: ~1,500 small ops over SmolLM2-135M's 30
@@ -33,6 +33,12 @@ the engine makes one per generate call; the copies derived from them live in the
   rest, from a quarter of the head's bytes.
 Without the compiled kernel (no compiler) every op falls back to torch. Blocks of one row or of more rows
 than the streamed kernel is measured to win at go to `F.linear` / oneDNN's packed GEMM.
+
+A bf16 target runs the same layers as transformers' modules compute them in bf16, op for op and rounding for
+rounding, with its linears of 1..stream_rows rows on the streamed kernel as the engine runs them under the modules
+(`linear.prepacked_linears`): the same bits without the modules' Python around each op (`LeanLayers`). What it
+gains is the greedy verify's head: the int8 copy of a bf16 head is half its bytes (`ArgmaxHead`; on a Llama-3.2-1B
+shape, a tenth of a step's reading), which the modules' forward cannot use.
 
 The same forward runs the `int8` and `int4` self-drafters' copies of the target (`LeanForward(draft, 0, None,
 quantized=True)`, their linears `linear.Int8Linear` or `Int4Linear`): the kernel reads their quantized weights
@@ -195,10 +201,21 @@ def check_cpu_fp32(model: nn.Module) -> None:
         raise Unsupported("not an fp32 model on CPU")
 
 
+def check_cpu_target_dtype(model: nn.Module) -> None:
+    """An fp32 model on CPU, or a bf16 one whose every parameter is bf16 (`LeanLayers` computes it as transformers'
+    modules do in bf16)."""
+    params = next(model.parameters(), None)
+    if params is not None and params.device.type == "cpu" and params.dtype == torch.bfloat16:
+        if any(p.dtype != torch.bfloat16 for p in model.parameters()):
+            raise Unsupported("a bf16 model with parameters of other dtypes")
+        return
+    check_cpu_fp32(model)
+
+
 def _read(target, quantized: bool = False) -> list[Layer]:
     """The target's layers as `Layer`s, or `Unsupported` saying why `LeanForward` cannot run it. `quantized`: its
     linears, the LM head's too, are `linear.Int8Linear` or `Int4Linear`, which only the streamed kernel runs."""
-    check_cpu_fp32(target)
+    check_cpu_fp32(target) if quantized else check_cpu_target_dtype(target)
     if quantized and linear.streamed_kernel() is None:
         raise Unsupported("quantized linear layers without the streamed kernel, which could not be built here")
     inner = getattr(target, "model", None)
@@ -255,7 +272,13 @@ class LeanLayers:
     `compact`: per layer, the same layer with its weights in fewer bytes, or None; blocks of up to `COMPACT_ROWS`
     rows read those instead. The target's are its weights on their exact grids (`Layer.on_grid`): the same bits
     from a fifth (4-bit) or a quarter (int8) of the bytes. A drafter's may be int8 rows (`Layer.int8_rows`): a
-    quarter of the bytes and products near the fp32 ones, as its drafts need not be exact."""
+    quarter of the bytes and products near the fp32 ones, as its drafts need not be exact.
+
+    A bf16 model's layers run as transformers' modules run them in bf16, op for op and with the same roundings (its
+    RMSNorm in fp32 and the result rounded, rotary, attention, the MLP and the residual adds in bf16), its linears of
+    1..stream_rows rows on the streamed kernel (bf16 products summed in fp32, rounded to bf16 once, as
+    `linear.patch_linears` runs them under the modules): what it saves is the modules' Python around the ops. The
+    kernel's fused one-layer calls, its norm and its rotary are fp32's only."""
 
     COMPACT_ROWS = linear.Int4Linear.KERNEL_ROWS
 
@@ -265,11 +288,14 @@ class LeanLayers:
         self.compact = compact or [None] * len(layers)
         quantized = any(m.quantized for layer in layers + [c for c in self.compact if c is not None]
                         for m in layer.linears)
-        self.kernel = linear.streamed_kernel() if stream_rows > 1 or quantized or one_row else None
+        self.bf16 = bool(layers) and layers[0].qkv.weights[0].dtype == torch.bfloat16
+        self.kernel = (linear.streamed_kernel() if stream_rows > 1 or quantized or one_row or (self.bf16 and stream_rows)
+                       else None)
+        self.fused = self.kernel is not None and not self.bf16  # the kernel's norm, rotary and one-layer calls
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
-        self.native = [] if self.kernel is None else [natives(layer) for layer in layers]
-        self.compact_native = [None if c is None or self.kernel is None else natives(c) for c in self.compact]
+        self.native = [natives(layer) for layer in layers] if self.fused else []
+        self.compact_native = [None if c is None or not self.fused else natives(c) for c in self.compact]
 
     @classmethod
     def read_or_refuse(cls, read, model, what: str) -> list:
@@ -282,7 +308,7 @@ class LeanLayers:
     def _rotary(self, rotary: nn.Module, x: torch.Tensor, position_ids: torch.Tensor):
         """The rotary tables for a block, shaped for `_layer`: [B*N, D] for the kernel, [B, 1, N, D] else."""
         cos, sin = rotary(x, position_ids)  # [B, N, D]
-        if self.kernel is not None:
+        if self.fused:
             return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
         return cos[:, None], sin[:, None]
 
@@ -297,13 +323,13 @@ class LeanLayers:
         native = self.native[index] if self.native else None
         if self.compact_native[index] is not None and b * n <= self.COMPACT_ROWS:
             layer, native = self.compact[index], self.compact_native[index]
-        if self.kernel is not None and attention_mask is not None and isinstance(cache, RoomyCache):
+        if self.fused and attention_mask is not None and isinstance(cache, RoomyCache):
             stream = self._streamed(b * n, *layer.linears)
             if stream or b * n == 1:
                 return self._whole_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
                                          next_norm, stream)
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
-        if self.kernel is not None:  # rotate q and k in place, in the projection's own layout
+        if self.fused:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
             heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
             keys, values = cache.update(heads[:, h:h + kvh], heads[:, h + kvh:], index)
@@ -349,23 +375,28 @@ class LeanLayers:
         ones always do: nothing else here runs them)."""
         if self.kernel is None:
             return False
-        fits = 1 < rows <= self.stream_rows or (rows == 1 and self.one_row)  # one row: `one_row`, else ATen's GEMV
+        fewest = 1 if self.bf16 else 2  # one fp32 row: `one_row`, else ATen's GEMV
+        fits = fewest <= rows <= self.stream_rows or (rows == 1 and self.one_row)
         return all(m.quantized for m in linears) or (fits and all(m.streamable for m in linears))
 
     def _norm(self, x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
         weight, eps = norm
-        if self.kernel is not None:
+        if self.fused:
             return self.kernel.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        h = x.float()  # in fp32, then rounded to the input's dtype before the weight, as transformers' RMSNorm
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
     def _linear(self, x: torch.Tensor, linears: Linears) -> torch.Tensor:
         """x [B, N, K] through `linears` side by side: [B, N, sum of their out_features]."""
         rows = x.shape[0] * x.shape[1]
         flat = x.reshape(rows, x.shape[-1])
         if self._streamed(rows, linears):
-            y = self.kernel.few_rows_linear_cat(flat, linears.weights, linears.biases, linears.scales, linears.lows)
+            biases = [None if b is None else b.float() for b in linears.biases] if self.bf16 else linears.biases
+            y = self.kernel.few_rows_linear_cat(flat, linears.weights, biases, linears.scales, linears.lows)
+            if self.bf16:
+                y = y.to(torch.bfloat16)  # fp32 sums rounded once, as a bf16 matmul rounds them
         else:
-            if rows > 1 and self.packed is not None and linear.available():
+            if rows > 1 and self.packed is not None and linear.available() and not self.bf16:
                 parts = [torch.ops.mkldnn._linear_pointwise(flat, self.packed.get(w), bias, "none", [], "")
                          for w, bias in zip(linears.weights, linears.biases, strict=True)]
             else:
@@ -387,8 +418,8 @@ class LeanForward(LeanLayers):
                  quantized: bool = False, one_row: bool = False):
         """`argmax_only`: the caller reads nothing but each node's argmax (the engine's greedy verify), so the
         logits come from `infer.cpu.argmax_head.ArgmaxHead` (an int8 copy of the LM head, kept in `packed`), exact
-        where a token could be the argmax and -inf elsewhere. It needs the kernel; without one the fp32 head
-        runs. `quantized`: the model's linears, its LM head's too, are `linear.Int8Linear` or `Int4Linear` (the
+        where a token could be the argmax and -inf elsewhere (fp32; a bf16 head's logits as their bf16 values). It
+        needs the kernel; without one the model's own head runs. `quantized`: the model's linears, its LM head's too, are `linear.Int8Linear` or `Int4Linear` (the
         `int8` and `int4` self-drafters' copies of the target), run on the kernel at any block size.
 
         An fp32 target whose weights lie exactly on GGUF grids (dequantized from Q4_1 or Q8_0, as the embedded
@@ -401,7 +432,8 @@ class LeanForward(LeanLayers):
         layers = self.read_or_refuse(lambda m: _read(m, quantized), target,
                                      "quantized model" if quantized else "target")
         grid = None
-        if packed is not None and not quantized and linear.streamed_kernel() is not None:
+        fp32 = target.dtype == torch.float32
+        if packed is not None and not quantized and fp32 and linear.streamed_kernel() is not None:
             grid = [layer.on_grid(packed) for layer in layers]
         super().__init__(layers, stream_rows, packed, grid, one_row)
         self.target = target

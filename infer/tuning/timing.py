@@ -169,7 +169,7 @@ def _verify_setup(target, prepack: bool) -> tuple[int, bool, bool]:
 def _verify_model(target, streamed: int, lean: bool, one_row: bool):
     """The forward a verify step runs: greedy, as calibration measures acceptance, so the lean forward reads each
     node's argmax only."""
-    return lean_forward.LeanForward(target, streamed, linear.PackCache(), argmax_only=True,
+    return lean_forward.LeanForward(target, streamed, linear.shared_pack_cache(target), argmax_only=True,
                                     one_row=one_row) if lean else target
 
 

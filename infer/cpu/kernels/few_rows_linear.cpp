@@ -644,21 +644,25 @@ torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q
 // any fp32 evaluation (infer/cpu/argmax_head.py derives it). Per row r: approx = x_r @ (q * scale).T + bias,
 // bound_j = ||x_r|| * (1 + rel_slack) * rho_j, floor = max_j (approx_j - bound_j) - abs_slack * (max |approx|
 // + max bound); token j is a candidate where approx_j + bound_j >= floor in any row, and its logit is then
-// computed from w's fp32 row in every row. x: [R, K] fp32, w: [V, K] fp32 contiguous. Returns [R, V], or an
-// empty tensor where x is not finite or more than max_candidates tokens are candidates (then the caller
-// computes the full head).
+// computed from w's row in every row. x: [R, K] fp32 with w [V, K] fp32 contiguous, or both bf16: then a
+// candidate's logit is the one the streamed kernel's bf16 head computes (the same tile, so the same bits) rounded to
+// bf16, held in the fp32 output (the caller sets abs_slack to cover that rounding: a token may tie the winner once
+// rounded). Returns [R, V] fp32, or an empty tensor where x is not finite or more than max_candidates tokens are
+// candidates (then the caller computes the full head).
 torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weight, const torch::Tensor& q,
                             const torch::Tensor& scale, const torch::Tensor& rho_in,
                             const c10::optional<torch::Tensor>& bias_in, double rel_slack, double abs_slack,
                             int64_t max_candidates) {
-  const torch::Tensor x = x_in.contiguous(), rho = rho_in.contiguous();
+  const bool bf16 = x_in.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(weight.scalar_type() == (bf16 ? torch::kBFloat16 : torch::kFloat),
+              "argmax_logits: x and the weight must both be float32 or both bfloat16");
+  const torch::Tensor xb = x_in.contiguous(), x = bf16 ? xb.to(torch::kFloat) : xb, rho = rho_in.contiguous();
   const int64_t R = x.size(0), V = q.size(0), K = x.size(1);
-  TORCH_CHECK(weight.scalar_type() == torch::kFloat, "argmax_logits: the weight must be float32");
   check_weight(weight, c10::nullopt, c10::nullopt, K, "argmax_logits");
   TORCH_CHECK(weight.size(0) == V && rho.dim() == 1 && rho.size(0) == V && rho.scalar_type() == torch::kFloat,
               "argmax_logits: weight [V, K] and rho [V] float32 expected, V = ", V);
   const bool has_bias = bias_in.has_value() && bias_in->defined();
-  const torch::Tensor bias = has_bias ? bias_in->contiguous() : torch::Tensor();
+  const torch::Tensor bias = has_bias ? bias_in->to(torch::kFloat).contiguous() : torch::Tensor();
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < R * K; ++i)
     if (!std::isfinite(xp[i])) return torch::empty({0}, x.options());
@@ -719,8 +723,23 @@ torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weig
     }
   }
   for (int64_t r = 0; r < R; ++r) std::fill(op + r * V, op + (r + 1) * V, -std::numeric_limits<float>::infinity());
-  const float* wp = weight.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  if (bf16) {
+    const c10::BFloat16* wp = weight.data_ptr<c10::BFloat16>();
+    for (const int64_t j : ids) {
+#if defined(__AVX512BF16__)
+      weight_rows_bf16<1>(xb.data_ptr<c10::BFloat16>(), wp, op, R, K, V, j);  // the head's own tile: the same bits
+#else
+      weight_rows<1>(xp, wp, op, R, K, V, j);  // x widened exactly, as few_rows_linear_cat widens it here
+#endif
+      for (int64_t r = 0; r < R; ++r) {
+        const float logit = bp == nullptr ? op[r * V + j] : op[r * V + j] + bp[j];
+        op[r * V + j] = static_cast<float>(c10::BFloat16(logit));  // rounded to nearest even, as torch's .to()
+      }
+    }
+    return out;
+  }
+  const float* wp = weight.data_ptr<float>();
   for (const int64_t j : ids) {
     for (int64_t r = 0; r < R; ++r) {
       float sum = 0.0f;
