@@ -1187,6 +1187,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a block's K and V heads from qkv [B*N, width] into buffers [B, KVH, capacity, D] at slots [size, size + N)",
         pybind11::arg("qkv"), pybind11::arg("key_buffer"), pybind11::arg("value_buffer"), pybind11::arg("size"),
         pybind11::arg("heads"));
+  m.attr("bf16_products") = kBFloat16Products;  // bf16 x against bf16 weights multiplies bf16 pairs (vdpbf16ps)
   m.def("decoder_layer", &decoder_layer,
         "a Llama decoder layer for a block: q/k/v, rotary, the K/V write into buffers with room, attention_tail",
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
