@@ -102,7 +102,7 @@ def _bf16_head(kernel, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 4, 6])
+@pytest.mark.parametrize("rows", [1, 4, 9, 17])
 def test_a_bf16_head_gives_the_full_heads_argmax_and_bits(kernel, rows, with_bias):
     torch.manual_seed(rows)
     weight = (torch.randn(4099, 96) * torch.rand(4099, 1) * 0.2).to(torch.bfloat16)
@@ -116,18 +116,6 @@ def test_a_bf16_head_gives_the_full_heads_argmax_and_bits(kernel, rows, with_bia
     assert torch.equal(got[finite], full.float()[finite])  # a candidate's logit: the full head's bits
     assert (got[~finite] == -float("inf")).all()
     assert finite.any(0).sum() < 0.125 * 4099
-
-
-def test_a_bf16_head_answers_many_rows_in_full_where_the_kernel_pairs_bf16(kernel):
-    torch.manual_seed(0)
-    weight = (torch.randn(2048, 64) * 0.1).to(torch.bfloat16)
-    x = torch.randn(7, 64).to(torch.bfloat16)
-    got, full = _bf16_head(kernel, weight, x)
-    assert torch.equal(got.argmax(-1), full.argmax(-1))
-    if kernel.bf16_products:  # past BF16_PAIRED_ROWS rows the int8 copy's fp32 products cost more than it saves
-        assert torch.equal(got, full.float())
-    else:
-        assert not torch.isfinite(got).all()
 
 
 def test_a_bf16_tie_goes_to_the_first_token_as_in_the_full_head(kernel):

@@ -21,7 +21,10 @@ A bf16 head (a bf16 target's) is held the same way, an int8 copy of half its byt
 525 MB -> 263 MB, a tenth of a step's reading). Its logits are fp32 sums of exact bf16 products, the same bound
 holds, and each is rounded to bf16 as the target's own head rounds it; two tokens within two bf16 units of each other
 may then tie, so the candidate test widens by that much (`_BF16_TIE`). A candidate is scored by the streamed kernel's
-own bf16 tile, so its logit has the bits the full head on the kernel gives it.
+own bf16 tile, so its logit has the bits the full head on the kernel gives it. Where the CPU multiplies bf16 pairs
+the int8 copy is multiplied in bf16 too (an int8 is exact in bf16), so it stays cheaper than the bf16 head at every
+block size: on that 1B head (Zen 5, 2 threads) 4.9 / 5.8 / 8.2 / 19.7 ms at 1 / 4 / 9 / 17 rows against 10.8 / 12.9
+/ 14.8 / 25.9.
 
 Only the argmax survives, so the engine uses it only where nothing else is read from the logits: greedy
 verification with no token bans (suppress_tokens, min_new_tokens), no typical acceptance (`infer.engine`).
@@ -43,10 +46,6 @@ _ABSOLUTE_SLACK = 2.0 ** -18
 # largest |logit| may round to one value, where the first index wins.
 _BF16_TIE = 2.0 ** -7
 _CHUNK = 8192  # head rows made into int8 at a time
-# Rows of hidden states a bf16 head answers from its int8 copy where the kernel multiplies bf16 pairs; more go to the
-# full head. A Llama-3.2-1B shape's head (Zen 5, 2 threads, 70-74 GB/s): the int8 copy 4.4 / 8.0 / 11.4 / 13.3 ms at
-# 1 / 4 / 6 / 7 rows, the bf16 head 10.5 / 12.7 / 12.7 / 13.0.
-BF16_PAIRED_ROWS = 6
 FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the full fp32 head is cheaper
 
 
@@ -85,10 +84,6 @@ class ArgmaxHead:
         # a bf16 head's logits are rounded to bf16, and a token within two of its units of the winner may tie it then
         self.absolute_slack = _ABSOLUTE_SLACK + (_BF16_TIE if weight.dtype == torch.bfloat16 else 0.0)
         self.max_candidates = int(FULL_FRACTION * vocab)
-        # the int8 copy's products are fp32 (4 per line of weights where a bf16 head's paired ones are 2): past a few
-        # rows that costs more than the bytes it saves
-        paired = weight.dtype == torch.bfloat16 and getattr(self.kernel, "bf16_products", False)
-        self.max_rows = BF16_PAIRED_ROWS if paired else None
 
     @torch.no_grad()
     def logits(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,8 +91,6 @@ class ArgmaxHead:
         fp32: exact where a token could be the argmax, -inf elsewhere. A bf16 head's logits are its bf16 values,
         widened (the same argmax, first index on ties, without torch's slow bf16 argmax)."""
         x = x.contiguous()
-        if self.max_rows is not None and x.shape[0] > self.max_rows:
-            return self._full(x, bias)
         logits = self.kernel.argmax_logits(x, self.weight, self.q, self.scale, self.rho, bias, _RELATIVE_SLACK,
                                            self.absolute_slack, self.max_candidates)
         return logits if logits.numel() else self._full(x, bias)

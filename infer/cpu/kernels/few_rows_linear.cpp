@@ -462,6 +462,87 @@ inline void weight_item_bf16(const c10::BFloat16* x, const c10::BFloat16* w, flo
   else if (B == 4) weight_rows_bf16<4>(x, w, y, M, K, ldy, item * 4);
   else weight_rows_bf16<3>(x, w, y, M, K, ldy, item * 3);
 }
+// bf16 inputs against int8 rows with one fp32 scale a row (the int8 copy of a bf16 LM head, infer/cpu/argmax_head.py):
+// each 64-byte line of a weight row becomes 64 bf16 values (an int8 is exact in bf16) once, and every input row then
+// takes two paired products of it, where widening to fp32 takes four FMAs a row. The products are exact and the sums
+// fp32, as in any fp32 evaluation. Two weight rows a tile: 2 x 9 accumulators + 4 converted vectors + 2 inputs.
+inline void load_int8_pairs(const int8_t* p, __m512bh& low, __m512bh& high) {
+  __m512 f[4];
+  for (int i = 0; i < 4; ++i)
+    f[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * i))));
+  low = _mm512_cvtne2ps_pbh(f[1], f[0]);  // weights 0..31 in order (the second argument fills the low half)
+  high = _mm512_cvtne2ps_pbh(f[3], f[2]);
+}
+
+template <int B, int R>
+inline void tile_int8_bf16(const c10::BFloat16* x, const int8_t* q, const float* scale, float* y, int64_t K,
+                           int64_t ldy, int64_t n) {
+  constexpr int64_t ahead = kPrefetch * sizeof(float), far_ahead = kPrefetchL2 * sizeof(float);  // bytes, as fp32's
+  __m512 acc[B][R];
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r) acc[b][r] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 2 * kPairLanes <= K; k += 2 * kPairLanes) {  // one 64-byte line of each weight row a step
+    __m512bh low[B], high[B];
+    for (int b = 0; b < B; ++b) {
+      const int8_t* row = q + (n + b) * K + k;
+      load_int8_pairs(row, low[b], high[b]);
+      __builtin_prefetch(row + ahead, 0, 3);
+      __builtin_prefetch(row + far_ahead, 0, 1);
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512bh x_low = load_pairs(x + r * K + k), x_high = load_pairs(x + r * K + k + kPairLanes);
+      for (int b = 0; b < B; ++b) {
+        acc[b][r] = _mm512_dpbf16_ps(acc[b][r], low[b], x_low);
+        acc[b][r] = _mm512_dpbf16_ps(acc[b][r], high[b], x_high);
+      }
+    }
+  }
+  for (int b = 0; b < B; ++b) {
+    for (int r = 0; r < R; ++r) {
+      float s = sum_lanes(std::bit_cast<vec>(acc[b][r]));
+      for (int64_t t = k; t < K; ++t)  // K % 64
+        s += static_cast<float>(q[(n + b) * K + t]) * static_cast<float>(x[r * K + t]);
+      y[r * ldy + n + b] = s * scale[n + b];
+    }
+  }
+}
+
+template <int B, int R>
+inline void pass_int8_bf16(const c10::BFloat16* x, const int8_t* q, const float* scale, float* y, int64_t K,
+                           int64_t ldy, int64_t n, int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return pass_int8_bf16<B, R - 1>(x, q, scale, y, K, ldy, n, rows);
+  }
+  tile_int8_bf16<B, R>(x, q, scale, y, K, ldy, n);
+}
+
+// y = (x @ q.T) * scale for bf16 x [M, K] and int8 rows q [N, K] with their scales [N]: [M, N] fp32. Passes of up to
+// 9 input rows over each pair of weight rows (in L1 after the first pass).
+torch::Tensor int8_rows_linear_bf16(const torch::Tensor& x_in, const torch::Tensor& q, const torch::Tensor& scale) {
+  const torch::Tensor x = x_in.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = q.size(0);
+  TORCH_CHECK(q.scalar_type() == torch::kChar && q.is_contiguous() && q.size(1) == K && scale.size(0) == N,
+              "int8_rows_linear_bf16: q [N, K] int8 contiguous and scale [N] expected");
+  torch::Tensor y = torch::empty({M, N}, x.options().dtype(torch::kFloat));
+  const c10::BFloat16* xp = x.data_ptr<c10::BFloat16>();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr int64_t kRows = 9;
+  const int64_t passes = (M + kRows - 1) / kRows, rows = (M + passes - 1) / passes;
+  const int64_t items = N / 2 + N % 2, threads = at::get_num_threads();
+  at::parallel_for(0, items, (items + threads - 1) / threads, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      for (int64_t m = 0; m < M; m += rows) {
+        const int64_t count = std::min(rows, M - m);
+        if (item < N / 2) pass_int8_bf16<2, kRows>(xp + m * K, qp, sp, yp + m * N, K, N, item * 2, count);
+        else pass_int8_bf16<1, kRows>(xp + m * K, qp, sp, yp + m * N, K, N, N - 1, count);
+      }
+    }
+  });
+  return y;
+}
 constexpr bool kBFloat16Products = true;
 #else
 constexpr bool kBFloat16Products = false;
@@ -666,7 +747,12 @@ torch::Tensor argmax_logits(const torch::Tensor& x_in, const torch::Tensor& weig
   const float* xp = x.data_ptr<float>();
   for (int64_t i = 0; i < R * K; ++i)
     if (!std::isfinite(xp[i])) return torch::empty({0}, x.options());
-  torch::Tensor out = int8_rows_linear(x, q, scale);  // [R, V]: approx, then the logits in place
+  // [R, V]: approx, then the logits in place
+#if defined(__AVX512BF16__)
+  torch::Tensor out = bf16 ? int8_rows_linear_bf16(xb, q, scale) : int8_rows_linear(x, q, scale);
+#else
+  torch::Tensor out = int8_rows_linear(x, q, scale);
+#endif
   if (has_bias) out.add_(bias);
   float* op = out.data_ptr<float>();
   const float* rp = rho.data_ptr<float>();
@@ -1187,7 +1273,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a block's K and V heads from qkv [B*N, width] into buffers [B, KVH, capacity, D] at slots [size, size + N)",
         pybind11::arg("qkv"), pybind11::arg("key_buffer"), pybind11::arg("value_buffer"), pybind11::arg("size"),
         pybind11::arg("heads"));
-  m.attr("bf16_products") = kBFloat16Products;  // bf16 x against bf16 weights multiplies bf16 pairs (vdpbf16ps)
   m.def("decoder_layer", &decoder_layer,
         "a Llama decoder layer for a block: q/k/v, rotary, the K/V write into buffers with room, attention_tail",
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
