@@ -19,7 +19,7 @@ from infer.cpu import lean_forward, linear
 from infer.drafters import self_draft
 from infer.kv import KVState, forward_block
 
-LEAN = ["llama", "qwen2", "mistral"]
+LEAN = ["llama", "qwen2", "mistral", "qwen3"]
 IDS = torch.tensor([[5, 9, 14, 5, 9, 14, 5, 9, 20, 33]])
 
 
@@ -30,8 +30,8 @@ def _kernel():
     return kernel
 
 
-def _after_prompt(model, prompt, mask):
-    kv = KVState(prompt.shape[0], prompt.device, model.config)
+def _after_prompt(model, prompt, mask, roomy: bool = True):
+    kv = KVState(prompt.shape[0], prompt.device, model.config, roomy=roomy)
     depth, ancestors, valid = prompt_tree(mask)
     forward_block(model, kv, depth, ancestors, valid, input_ids=prompt)
     kv.commit_block(0, valid)
@@ -61,15 +61,15 @@ def _lean_target(arch: str):
     return target
 
 
-def _forwards_after_prompt(reference, models, block, depth, ancestors, valid):
+def _forwards_after_prompt(reference, models, block, depth, ancestors, valid, roomy: bool = True):
     """Each of `models` on `block` after a two-row prompt (the first left-padded) whose K/V `reference` wrote: their
-    outputs (hidden states included) and caches."""
+    outputs (hidden states included) and caches (the engine's growing one, or with `roomy=False` transformers')."""
     prompt = torch.tensor([[0, 0, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
     outs, caches = [], []
     with torch.no_grad():
         for model in models:
-            kv = _after_prompt(reference, prompt, mask)
+            kv = _after_prompt(reference, prompt, mask, roomy)
             outs.append(forward_block(model, kv, depth, ancestors, valid, input_ids=block, output_hidden_states=True))
             caches.append(kv.cache)
     return outs, caches
@@ -114,7 +114,8 @@ def test_same_logits_hidden_states_and_cache_as_the_model(arch, stream_rows, mon
     valid = torch.ones(2, 4, dtype=torch.bool)
     block = torch.tensor([[11, 12, 13, 14], [15, 16, 17, 18]])
     _assert_same_forward(target, lean, block, depth, ancestors, valid)
-    assert len(whole_layers) == (target.config.num_hidden_layers if stream_rows else 0)
+    fused = stream_rows and arch != "qwen3"  # Qwen3's q/k norms: op by op, its linears still on the kernel
+    assert len(whole_layers) == (target.config.num_hidden_layers if fused else 0)
 
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
@@ -136,11 +137,13 @@ def test_a_one_row_block_is_the_models(stream_rows):
     torch.testing.assert_close(got.hidden_states[-1], expected.hidden_states[-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("roomy", [True, False])
 @pytest.mark.parametrize("rows", [1, 4])
 @pytest.mark.parametrize("arch", [*LEAN, "llama-biases"])
-def test_a_bf16_target_gets_its_modules_bits(arch, rows):
+def test_a_bf16_target_gets_its_modules_bits(arch, rows, roomy):
     """A bf16 target runs lean: the logits, hidden states and K/V its modules compute in bf16 with their linears on
-    the streamed kernel (the engine's path for it without the lean forward), bit for bit, one row or a tree."""
+    the streamed kernel (the engine's path for it without the lean forward), bit for bit, one row or a tree; each
+    layer in one kernel call on the engine's growing cache, op by op from Python on transformers' cache."""
     _kernel()
     target = _lean_target(arch).to(torch.bfloat16)
     lean = lean_forward.LeanForward(target, 16, linear.PackCache())  # the full logits (no int8 head)
@@ -151,11 +154,21 @@ def test_a_bf16_target_gets_its_modules_bits(arch, rows):
     valid = torch.ones(2, rows, dtype=torch.bool)
     block = torch.tensor([[11, 12, 13, 14][:rows], [15, 16, 17, 18][:rows]])
     calls = []
-    few_rows = lean.kernel.few_rows_linear_cat
-    lean.kernel = type("Spy", (), {"few_rows_linear_cat": lambda self, *a: calls.append(a) or few_rows(*a)})()
+    kernel = lean.kernel
+
+    class Spy:
+        def __getattr__(self, name):
+            return lambda *a: calls.append(name) or getattr(kernel, name)(*a)
+
+    lean.kernel = Spy()
     with linear.prepacked_linears(target, stream_rows=16):
-        (expected, got), caches = _forwards_after_prompt(target, (target, lean), block, depth, ancestors, valid)
-    assert len(calls) == 4 * target.config.num_hidden_layers + 1  # q/k/v, o, gate/up, down a layer; the head
+        (expected, got), caches = _forwards_after_prompt(target, (target, lean), block, depth, ancestors, valid,
+                                                         roomy)
+    layers = target.config.num_hidden_layers
+    if roomy and arch != "qwen3":  # a layer a call; the head (Qwen3's q/k norms: op by op)
+        assert calls == ["decoder_layer_bf16"] * layers + ["few_rows_linear_cat"]
+    else:  # q/k/v, o, gate/up, down a layer; the head
+        assert calls == ["few_rows_linear_cat"] * (4 * layers + 1)
     assert got.logits.dtype == expected.logits.dtype == torch.bfloat16
     assert torch.equal(got.logits, expected.logits)
     for h, h_expected in zip(got.hidden_states, expected.hidden_states, strict=True):
@@ -244,7 +257,7 @@ def test_transformers_own_capture_hooks_do_not_count():
     assert not lean_forward.user_hooks(target)
 
 
-@pytest.mark.parametrize("arch, reason", [("qwen3", "Qwen3DecoderLayer"), ("gemma2", "activation"),
+@pytest.mark.parametrize("arch, reason", [("gemma2", "activation"),
                                           ("gpt2", "Llama module layout"), ("phi3", "Phi3DecoderLayer")])
 def test_other_targets_are_left_to_transformers(arch, reason):
     target = tiny_model(arch)
@@ -501,11 +514,12 @@ def _eagle3(target, **options):
 
 @pytest.mark.parametrize("stream_rows", [16, 0], ids=["kernel", "torch"])
 @pytest.mark.parametrize("options", [{}, {"num_layers": 2, "norm_before_residual": True},
-                                     {"norm_before_fc": True, "norm_output": True}], ids=["one", "two", "speculators"])
+                                     {"norm_before_fc": True, "norm_output": True}, {"layer_style": "target"}],
+                         ids=["one", "two", "speculators", "qwen3-layer"])
 def test_eagle3_lean_forward_is_the_drafters(stream_rows, options):
     if stream_rows:
         _kernel()
-    target = tiny_model("llama")
+    target = tiny_model("qwen3" if options.get("layer_style") == "target" else "llama")  # Qwen3's layer: q/k norms
     drafter = _eagle3(target, **options)
     lean = LeanEagle3(drafter, stream_rows)
     d, width = target.config.hidden_size, drafter.fc.in_features
@@ -659,7 +673,7 @@ def test_quantized_lean_forward_computes_the_quantized_models_function(arch, row
     block = torch.arange(rows).remainder(90).add(2).view(2, rows // 2)
     depth, ancestors, valid = prompt_tree(torch.ones_like(block, dtype=torch.bool))
     _assert_same_forward(_held(target, draft), lean, block, depth, ancestors, valid)
-    assert len(whole_layers) == target.config.num_hidden_layers
+    assert len(whole_layers) == (0 if arch == "qwen3" else target.config.num_hidden_layers)  # q/k norms: op by op
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

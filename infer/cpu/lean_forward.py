@@ -45,8 +45,8 @@ quantized=True)`, their linears `linear.Int8Linear` or `Int4Linear`): the kernel
 at every block size, as nothing else here runs them, in well under half the time of transformers' modules
 (docs/benchmarks.md).
 
-Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (no q/k norms, a SiLU gated
-MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
+Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (Qwen3's q/k norms too, there
+without the kernel's fused layer calls; a SiLU gated MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
 carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
 model's own forward as before. Module hooks outside transformers' own output capture also make it stand
 aside (`user_hooks`): a hook on the user's model must see every forward.
@@ -65,7 +65,7 @@ from ..kv import RoomyCache, RoomyLayer
 from . import linear
 from .argmax_head import ArgmaxHead
 
-LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer")
+LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer")
 _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks")
 
 
@@ -137,6 +137,7 @@ class Layer:
     kv_heads: int
     head_dim: int
     scaling: float
+    qk_norms: tuple[tuple[torch.Tensor, float], tuple[torch.Tensor, float]] | None = None  # Qwen3's, over each head
 
     LINEARS = ("qkv", "o", "gate_up", "down")  # in the order the kernel's one-layer calls take them
 
@@ -187,12 +188,15 @@ def read_layer(layer: nn.Module, quantized: bool = False) -> Layer:
     if not all(readable_linear(m, quantized) for m in (q, k, v, o, gate, up, down)):
         raise Unsupported("linear layers other than int8 or 4-bit ones" if quantized
                           else "adapted or quantized linear layers")
+    qk_norms = None
     if hasattr(attn, "q_norm") or hasattr(attn, "k_norm"):
-        raise Unsupported("q/k norms")
+        if type(attn.q_norm).__name__ != "Qwen3RMSNorm" or type(attn.k_norm) is not type(attn.q_norm):
+            raise Unsupported("q/k norms other than Qwen3's RMSNorms")
+        qk_norms = (norm_of(attn.q_norm), norm_of(attn.k_norm))
     head_dim = attn.head_dim
     return Layer(norm_of(layer.input_layernorm), Linears.of(q, k, v), Linears.of(o),
                   norm_of(layer.post_attention_layernorm), Linears.of(gate, up), Linears.of(down),
-                  q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling))
+                  q.out_features // head_dim, k.out_features // head_dim, head_dim, float(attn.scaling), qk_norms)
 
 
 def check_cpu_fp32(model: nn.Module) -> None:
@@ -277,8 +281,9 @@ class LeanLayers:
     A bf16 model's layers run as transformers' modules run them in bf16, op for op and with the same roundings (its
     RMSNorm in fp32 and the result rounded, rotary, attention, the MLP and the residual adds in bf16), its linears of
     1..stream_rows rows on the streamed kernel (bf16 products summed in fp32, rounded to bf16 once, as
-    `linear.patch_linears` runs them under the modules): what it saves is the modules' Python around the ops. The
-    kernel's fused one-layer calls, its norm and its rotary are fp32's only."""
+    `linear.patch_linears` runs them under the modules): what it saves is the modules' Python around the ops, and
+    where the cache is the engine's growing one the Python around them too (a layer in one kernel call of the same
+    ATen ops, `decoder_layer_bf16`). The kernel's fp32 norm, rotary and attention are fp32's only."""
 
     COMPACT_ROWS = linear.Int4Linear.KERNEL_ROWS
 
@@ -291,10 +296,11 @@ class LeanLayers:
         self.bf16 = bool(layers) and layers[0].qkv.weights[0].dtype == torch.bfloat16
         self.kernel = (linear.streamed_kernel() if stream_rows > 1 or quantized or one_row or (self.bf16 and stream_rows)
                        else None)
-        self.fused = self.kernel is not None and not self.bf16  # the kernel's norm, rotary and one-layer calls
+        # the kernel's norm, rotary and one-layer calls, which have no q/k norms
+        self.fused = self.kernel is not None and not self.bf16 and not any(layer.qk_norms for layer in layers)
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
-        self.native = [natives(layer) for layer in layers] if self.fused else []
+        self.native = [natives(layer) for layer in layers] if self.kernel is not None else []
         self.compact_native = [None if c is None or not self.fused else natives(c) for c in self.compact]
 
     @classmethod
@@ -328,6 +334,12 @@ class LeanLayers:
             if stream or b * n == 1:
                 return self._whole_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
                                          next_norm, stream)
+        if (self.bf16 and native is not None and layer.qk_norms is None and attention_mask is not None
+                and isinstance(cache, RoomyCache)):
+            stream = {self._streamed(b * n, m) for m in layer.linears}
+            if len(stream) == 1:  # every linear of the layer on the kernel, or none
+                return self._whole_bf16_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
+                                              next_norm, stream.pop())
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.fused:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
@@ -338,7 +350,12 @@ class LeanLayers:
                 return self._tail(x, qkv, keys, values, attention_mask, layer, native, next_norm, stream)
             q = heads[:, :h]
         else:
-            heads = qkv.view(b, n, h + 2 * kvh, hd).transpose(1, 2)
+            heads = qkv.view(b, n, h + 2 * kvh, hd)
+            if layer.qk_norms is not None:  # each q and k head normed before the rotary, as Qwen3's attention does
+                q_norm, k_norm = layer.qk_norms
+                normed = (self._norm(heads[:, :, :h], q_norm), self._norm(heads[:, :, h:h + kvh], k_norm))
+                heads = torch.cat((*normed, heads[:, :, h + kvh:]), dim=2)
+            heads = heads.transpose(1, 2)
             qk = heads[:, :h + kvh]  # [B, H + KVH, N, D]: rotate q and k together
             qk = qk * cos + torch.cat((-qk[..., hd // 2:], qk[..., :hd // 2]), dim=-1) * sin
             q = qk[:, :h]
@@ -358,6 +375,18 @@ class LeanLayers:
         key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
         qkv, o, gate_up, down = native
         x, y, kv.keys, kv.values = self.kernel.decoder_layer(
+            x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
+            *layer.post_norm, gate_up, down, *next_norm, stream)
+        return x, y
+
+    def _whole_bf16_layer(self, x, y, layer: Layer, native: tuple, kv: RoomyLayer, attention_mask, rotary,
+                          next_norm, stream: bool):
+        """A bf16 `_layer` in one kernel call (`decoder_layer_bf16`): the same ATen ops on the same shapes as the
+        lines below it, so the same bits, without Python around each (a dozen small ops and the cache update)."""
+        b, n, _ = x.shape
+        key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
+        qkv, o, gate_up, down = native
+        x, y, kv.keys, kv.values = self.kernel.decoder_layer_bf16(
             x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
             *layer.post_norm, gate_up, down, *next_norm, stream)
         return x, y
