@@ -72,8 +72,8 @@ class EngineOptions:
     `int8_argmax`: where the lean forward verifies and only each node's greedy token is read (greedy, no typical
     acceptance, no token bans from suppress_tokens, begin_suppress_tokens or min_new_tokens), take it through
     `infer.cpu.argmax_head.ArgmaxHead`: an int8 copy of the LM head finds the tokens that could be the argmax (a
-    proven bound), its fp32 rows score them. The same tokens, for a quarter of the head's bytes; the copy is kept
-    while the weight is unchanged. False = the full fp32 head always.
+    proven bound), its own rows score them. The same tokens, for a quarter of an fp32 head's bytes (half of a bf16
+    head's); the copy is kept while the weight is unchanged. False = the full head always.
 
     `int8_drafter`: where an EAGLE-3 drafter's forward runs lean, draft from int8 copies of its weights
     (`heads.eagle3.lean.LeanEagle3`): its LM head's scores the draft vocabulary, and those of its `fc` and layers
