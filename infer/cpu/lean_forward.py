@@ -281,9 +281,8 @@ class LeanLayers:
     A bf16 model's layers run as transformers' modules run them in bf16, op for op and with the same roundings (its
     RMSNorm in fp32 and the result rounded, rotary, attention, the MLP and the residual adds in bf16), its linears of
     1..stream_rows rows on the streamed kernel (bf16 products summed in fp32, rounded to bf16 once, as
-    `linear.patch_linears` runs them under the modules): what it saves is the modules' Python around the ops, and
-    where the cache is the engine's growing one the Python around them too (a layer in one kernel call of the same
-    ATen ops, `decoder_layer_bf16`). The kernel's fp32 norm, rotary and attention are fp32's only."""
+    `linear.patch_linears` runs them under the modules): what it saves is the modules' Python around the ops. The
+    kernel's fused one-layer calls, its norm and its rotary are fp32's only."""
 
     COMPACT_ROWS = linear.Int4Linear.KERNEL_ROWS
 
@@ -300,7 +299,7 @@ class LeanLayers:
         self.fused = self.kernel is not None and not self.bf16 and not any(layer.qk_norms for layer in layers)
         # each layer's (q/k/v, o, gate/up, down) as the kernel's one-layer calls take them, made once here
         natives = lambda layer: tuple(m.native(self.kernel) for m in layer.linears)  # noqa: E731
-        self.native = [natives(layer) for layer in layers] if self.kernel is not None else []
+        self.native = [natives(layer) for layer in layers] if self.fused else []
         self.compact_native = [None if c is None or not self.fused else natives(c) for c in self.compact]
 
     @classmethod
@@ -334,12 +333,6 @@ class LeanLayers:
             if stream or b * n == 1:
                 return self._whole_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
                                          next_norm, stream)
-        if (self.bf16 and native is not None and layer.qk_norms is None and attention_mask is not None
-                and isinstance(cache, RoomyCache)):
-            stream = {self._streamed(b * n, m) for m in layer.linears}
-            if len(stream) == 1:  # every linear of the layer on the kernel, or none
-                return self._whole_bf16_layer(x, y, layer, native, cache.layer(index), attention_mask, rotary,
-                                              next_norm, stream.pop())
         qkv = self._linear(y, layer.qkv)  # [B, N, (H + 2 KVH) D]
         if self.fused:  # rotate q and k in place, in the projection's own layout
             self.kernel.rope_(qkv.view(b * n, -1), cos, sin, h + kvh)
@@ -375,18 +368,6 @@ class LeanLayers:
         key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
         qkv, o, gate_up, down = native
         x, y, kv.keys, kv.values = self.kernel.decoder_layer(
-            x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
-            *layer.post_norm, gate_up, down, *next_norm, stream)
-        return x, y
-
-    def _whole_bf16_layer(self, x, y, layer: Layer, native: tuple, kv: RoomyLayer, attention_mask, rotary,
-                          next_norm, stream: bool):
-        """A bf16 `_layer` in one kernel call (`decoder_layer_bf16`): the same ATen ops on the same shapes as the
-        lines below it, so the same bits, without Python around each (a dozen small ops and the cache update)."""
-        b, n, _ = x.shape
-        key_buffer, value_buffer, size = kv.reserve(x, b, layer.kv_heads, n, layer.head_dim)
-        qkv, o, gate_up, down = native
-        x, y, kv.keys, kv.values = self.kernel.decoder_layer_bf16(
             x, y, qkv, *rotary, key_buffer, value_buffer, size, attention_mask, layer.heads, layer.scaling, o,
             *layer.post_norm, gate_up, down, *next_norm, stream)
         return x, y

@@ -1093,14 +1093,13 @@ torch::Tensor few_rows_attention(const torch::Tensor& qkv, const torch::Tensor& 
 struct Linears {
   std::vector<torch::Tensor> weights;
   std::vector<c10::optional<torch::Tensor>> biases, scales, lows;
-  bool quantized = false;  // some weight is int8 or 4-bit: only this kernel runs it (bf16 and fp32: ATen's too)
+  bool quantized = false;  // some weight is int8 or 4-bit: only this kernel runs it
 
   Linears(std::vector<torch::Tensor> weights_, std::vector<c10::optional<torch::Tensor>> biases_,
           std::vector<c10::optional<torch::Tensor>> scales_, std::vector<c10::optional<torch::Tensor>> lows_)
       : weights(std::move(weights_)), biases(std::move(biases_)), scales(std::move(scales_)), lows(std::move(lows_)) {
     TORCH_CHECK(!weights.empty(), "Linears: no weight given");
-    for (const torch::Tensor& w : weights)
-      quantized = quantized || (w.scalar_type() != torch::kFloat && w.scalar_type() != torch::kBFloat16);
+    for (const torch::Tensor& w : weights) quantized = quantized || w.scalar_type() != torch::kFloat;
   }
   int64_t out_features(size_t i) const { return weights[i].size(0); }
 };
@@ -1231,61 +1230,6 @@ std::vector<torch::Tensor> decoder_layer(const torch::Tensor& x, const torch::Te
   return out;
 }
 
-// A bf16 Llama decoder layer as transformers' modules compute it in bf16, ATen op for ATen op (the same ops on the
-// same shapes, so the same bits), without Python around each: the lean forward's bf16 layer (infer/cpu/lean_forward.py,
-// LeanLayers) in one call. Linears through linear_rows (the streamed kernel's fp32 sums, or ATen's bf16 linear),
-// rounded to bf16 once; rotary as x * cos + rotate_half(x) * sin; K and V copied into buffers with room at slots
-// [size, size + N); SDPA under the additive mask; RMSNorm in fp32, rounded, then times its weight in bf16.
-// x: [B, N, D] the residual stream, y: [B, N, K] its input norm; cos, sin: [B, 1, N, head_dim] bf16. Returns {x, y,
-// keys, values} as decoder_layer does.
-torch::Tensor rms_norm_bf16(const torch::Tensor& x, const torch::Tensor& weight, double eps) {
-  const torch::Tensor h = x.to(torch::kFloat);
-  return weight * (h * at::rsqrt(h.pow(2).mean(-1, true) + eps)).to(x.scalar_type());
-}
-
-torch::Tensor linear_rows_bf16(const torch::Tensor& x, const Linears& linears, bool stream) {
-  const torch::Tensor flat = x.reshape({-1, x.size(-1)});
-  torch::Tensor y;
-  if (stream) {
-    std::vector<c10::optional<torch::Tensor>> biases;
-    for (const auto& b : linears.biases)
-      biases.push_back(b.has_value() && b->defined() ? c10::optional<torch::Tensor>(b->to(torch::kFloat)) : c10::nullopt);
-    y = few_rows_linear_cat(flat, linears.weights, biases, linears.scales, linears.lows).to(torch::kBFloat16);
-  } else {
-    y = linear_rows(flat, linears, false);
-  }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = y.size(-1);
-  return y.view(shape);
-}
-
-std::vector<torch::Tensor> decoder_layer_bf16(const torch::Tensor& x, const torch::Tensor& y, const Linears& qkv_linears,
-                                              const torch::Tensor& cos, const torch::Tensor& sin,
-                                              torch::Tensor& key_buffer, torch::Tensor& value_buffer, int64_t size,
-                                              const torch::Tensor& mask, int64_t heads, double scale, const Linears& o,
-                                              const torch::Tensor& post_norm, double post_eps, const Linears& gate_up,
-                                              const Linears& down, const torch::Tensor& next_norm, double next_eps,
-                                              bool stream) {
-  TORCH_CHECK(x.dim() == 3 && y.dim() == 3 && x.scalar_type() == torch::kBFloat16 && y.scalar_type() == torch::kBFloat16,
-              "decoder_layer_bf16: x and y [B, N, *] bfloat16 expected");
-  const int64_t B = x.size(0), N = x.size(1), KVH = key_buffer.size(1), hd = key_buffer.size(3);
-  TORCH_CHECK(size >= 0 && size + N <= key_buffer.size(2), "decoder_layer_bf16: slots [", size, ", ", size + N,
-              ") do not fit buffers of ", key_buffer.size(2));
-  const torch::Tensor all = linear_rows_bf16(y, qkv_linears, stream).view({B, N, heads + 2 * KVH, hd}).transpose(1, 2);
-  torch::Tensor qk = all.narrow(1, 0, heads + KVH);
-  qk = qk * cos + at::cat({-qk.narrow(-1, hd / 2, hd - hd / 2), qk.narrow(-1, 0, hd / 2)}, -1) * sin;
-  key_buffer.narrow(2, size, N).copy_(qk.narrow(1, heads, KVH));
-  value_buffer.narrow(2, size, N).copy_(all.narrow(1, heads + KVH, KVH));
-  const torch::Tensor keys = key_buffer.narrow(2, 0, size + N), values = value_buffer.narrow(2, 0, size + N);
-  const torch::Tensor att = at::scaled_dot_product_attention(qk.narrow(1, 0, heads), keys, values, mask, 0.0, false,
-                                                             scale, KVH != heads);
-  torch::Tensor h = x + linear_rows_bf16(att.transpose(1, 2).reshape({B, N, heads * hd}), o, stream);
-  const std::vector<torch::Tensor> gu = linear_rows_bf16(rms_norm_bf16(h, post_norm, post_eps), gate_up, stream)
-                                            .chunk(2, -1);
-  h = h + linear_rows_bf16(at::silu(gu[0]) * gu[1], down, stream);
-  return {h, rms_norm_bf16(h, next_norm, next_eps), keys, values};
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("few_rows_linear", &few_rows_linear, "x [M, K] @ weight [N, K].T + bias for a few rows, fp32",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias"));
@@ -1329,13 +1273,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a block's K and V heads from qkv [B*N, width] into buffers [B, KVH, capacity, D] at slots [size, size + N)",
         pybind11::arg("qkv"), pybind11::arg("key_buffer"), pybind11::arg("value_buffer"), pybind11::arg("size"),
         pybind11::arg("heads"));
-  m.def("decoder_layer_bf16", &decoder_layer_bf16,
-        "a bf16 Llama decoder layer for a block, transformers' bf16 ops in C++: q/k/v, rotary, the K/V write, the tail",
-        pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
-        pybind11::arg("key_buffer"), pybind11::arg("value_buffer"), pybind11::arg("size"), pybind11::arg("mask"),
-        pybind11::arg("heads"), pybind11::arg("scale"), pybind11::arg("o"), pybind11::arg("post_norm"),
-        pybind11::arg("post_eps"), pybind11::arg("gate_up"), pybind11::arg("down"), pybind11::arg("next_norm"),
-        pybind11::arg("next_eps"), pybind11::arg("stream"));
   m.def("decoder_layer", &decoder_layer,
         "a Llama decoder layer for a block: q/k/v, rotary, the K/V write into buffers with room, attention_tail",
         pybind11::arg("x"), pybind11::arg("y"), pybind11::arg("qkv"), pybind11::arg("cos"), pybind11::arg("sin"),
