@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary[text]['median_of_floor']:.3f}x its floor")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"command": "python scripts/bench_options.py " + " ".join(argv),
+        args.out.write_text(json.dumps({"command": shlex.join(["python", "scripts/bench_options.py", *argv]),
                                         "shape": args.random_target, "dtype": args.dtype, "gb_read_a_step": gb,
                                         "runs": runs, "summary": summary}, indent=1))
     return 0
