@@ -94,6 +94,24 @@ def test_bad_weights_are_refused(kernel):
         ArgmaxHead(torch.randn(8, 4, dtype=torch.float16), kernel)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_copy_and_radius_are_the_float64_ones(kernel, dtype):
+    """The kernel's one pass (`int8_rows_radius`) makes the int8 rows `linear.int8_rows` makes, and the radius the
+    bound needs, computed in float64 by torch: rounded up by the slack, never below it."""
+    torch.manual_seed(0)
+    weight = (torch.randn(1029, 72) * torch.rand(1029, 1) * 0.2).to(dtype)
+    weight[::7, 3] = 1.5
+    weight[5] = 0  # a zero row: the smallest normal scale, no error
+    head = ArgmaxHead(weight, kernel)
+    q, scale = linear.int8_rows(weight.float())
+    assert torch.equal(head.q, q) and torch.equal(head.scale, scale)
+    w, approx = weight.double(), q.double() * scale.double()[:, None]
+    gamma = 74 * 2.0 ** -24 / (1 - 74 * 2.0 ** -24)
+    rho = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
+    assert (head.rho.double() >= rho).all() and head.rho[5] == 0
+    torch.testing.assert_close(head.rho.double(), rho * (1 + 2.0 ** -10), rtol=1e-7, atol=0)
+
+
 def _bf16_head(kernel, weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None = None):
     """A bf16 head's argmax logits and the full head's as the lean forward computes them on the kernel: fp32 sums
     of bf16 products, rounded to bf16."""

@@ -45,7 +45,6 @@ _ABSOLUTE_SLACK = 2.0 ** -18
 # A bf16 logit is within 2^-8 of its magnitude of its fp32 sum: two tokens whose sums differ by up to 2^-7 of the
 # largest |logit| may round to one value, where the first index wins.
 _BF16_TIE = 2.0 ** -7
-_CHUNK = 8192  # head rows made into int8 at a time
 FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the full fp32 head is cheaper
 
 
@@ -67,20 +66,10 @@ class ArgmaxHead:
             raise ValueError("ArgmaxHead needs selfspec's CPU kernel, which could not be built here")
         self.weight = weight
         vocab, width = weight.shape
-        self.q = torch.empty(vocab, width, dtype=torch.int8)
-        self.scale = torch.empty(vocab)
-        self.rho = torch.empty(vocab)
         k = width + 2  # the K products' sum, then the scale (and the bias)
         gamma = k * _U / (1 - k * _U)
-        with torch.no_grad():
-            for start in range(0, vocab, _CHUNK):  # a 1B target's head is 262M weights: float64 copies by chunks
-                w = weight.detach()[start:start + _CHUNK].float()
-                q, scale = linear.int8_rows(w)  # [n, K] int8, [n]
-                self.q[start:start + _CHUNK], self.scale[start:start + _CHUNK] = q, scale
-                w = w.double()
-                approx = q.double() * scale.double()[:, None]  # w^ exactly: int8 times fp32 fits float64
-                rho = (w - approx).norm(dim=1) + gamma * (w.norm(dim=1) + approx.norm(dim=1))
-                self.rho[start:start + _CHUNK] = rho * (1 + _RELATIVE_SLACK)  # rounded up by the slack
+        # int8 rows as linear.int8_rows makes them, and rho in float64, rounded up by the slack: one pass in the kernel
+        self.q, self.scale, self.rho = self.kernel.int8_rows_radius(weight.detach(), gamma, _RELATIVE_SLACK)
         # a bf16 head's logits are rounded to bf16, and a token within two of its units of the winner may tie it then
         self.absolute_slack = _ABSOLUTE_SLACK + (_BF16_TIE if weight.dtype == torch.bfloat16 else 0.0)
         self.max_candidates = int(FULL_FRACTION * vocab)

@@ -720,6 +720,52 @@ torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q
   return few_rows_linear_cat(x_in, {q}, {}, {scale}, {});
 }
 
+// An LM head [V, K] (fp32, or bf16 widened exactly) as ArgmaxHead holds it, in one pass over its rows: int8 rows with
+// one fp32 scale each, as infer/cpu/linear.py's int8_rows makes them (scale = max(max|w| / 127, the smallest normal
+// float), q = w / scale rounded half to even, clamped to +-127), and each row's radius rho = (||w - q * scale|| +
+// gamma * (||w|| + ||q * scale||)) * (1 + rel_slack), the norms in float64 (infer/cpu/argmax_head.py derives it).
+// Torch's ops took 4 s for a 1B model's head, fifteen passes over float64 copies; this reads it once.
+std::vector<torch::Tensor> int8_rows_radius(const torch::Tensor& weight_in, double gamma, double rel_slack) {
+  TORCH_CHECK(weight_in.dim() == 2 && (weight_in.scalar_type() == torch::kFloat ||
+                                       weight_in.scalar_type() == torch::kBFloat16),
+              "int8_rows_radius: an fp32 or bf16 weight [V, K] expected");
+  const torch::Tensor weight = weight_in.contiguous();
+  const int64_t V = weight.size(0), K = weight.size(1);
+  torch::Tensor q = torch::empty({V, K}, weight.options().dtype(torch::kChar));
+  torch::Tensor scale = torch::empty({V}, weight.options().dtype(torch::kFloat));
+  torch::Tensor rho = torch::empty({V}, weight.options().dtype(torch::kFloat));
+  const bool bf16 = weight.scalar_type() == torch::kBFloat16;
+  const float* wf = bf16 ? nullptr : weight.data_ptr<float>();
+  const c10::BFloat16* wb = bf16 ? weight.data_ptr<c10::BFloat16>() : nullptr;
+  int8_t* qp = q.data_ptr<int8_t>();
+  float* sp = scale.data_ptr<float>();
+  float* rp = rho.data_ptr<float>();
+  at::parallel_for(0, V, 256, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(K);
+    for (int64_t v = begin; v < end; ++v) {
+      float amax = 0.0f;
+      for (int64_t k = 0; k < K; ++k) {
+        row[k] = bf16 ? static_cast<float>(wb[v * K + k]) : wf[v * K + k];
+        amax = std::max(amax, std::fabs(row[k]));
+      }
+      const float s = std::max(amax / 127.0f, std::numeric_limits<float>::min());
+      double residual = 0.0, norm = 0.0, approx_norm = 0.0;
+      for (int64_t k = 0; k < K; ++k) {
+        const float level = std::min(127.0f, std::max(-127.0f, std::nearbyint(row[k] / s)));  // half to even
+        qp[v * K + k] = static_cast<int8_t>(level);
+        const double w = row[k], a = static_cast<double>(level) * s;  // exact: an int8 times a float fits a double
+        residual += (w - a) * (w - a);
+        norm += w * w;
+        approx_norm += a * a;
+      }
+      sp[v] = s;
+      rp[v] = static_cast<float>((std::sqrt(residual) + gamma * (std::sqrt(norm) + std::sqrt(approx_norm))) *
+                                 (1.0 + rel_slack));
+    }
+  });
+  return {q, scale, rho};
+}
+
 // The logits x @ w.T + bias where a token could be the argmax of its row, -inf elsewhere, from the int8 copy
 // (q, scale) of w and a per-token radius rho with |(x @ (q * scale).T)_j - (x @ w.T)_j| <= ||x|| * rho_j for
 // any fp32 evaluation (infer/cpu/argmax_head.py derives it). Per row r: approx = x_r @ (q * scale).T + bias,
@@ -1248,6 +1294,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("quantized", &Linears::quantized);
   m.def("int8_rows_linear", &int8_rows_linear, "x [M, K] fp32 @ (q [N, K] int8 * scale [N, 1]).T, fp32 sums",
         pybind11::arg("x"), pybind11::arg("q"), pybind11::arg("scale"));
+  m.def("int8_rows_radius", &int8_rows_radius,
+        "an LM head [V, K] as int8 rows, their scales and the radius rho of each row's int8 and rounding error",
+        pybind11::arg("weight"), pybind11::arg("gamma"), pybind11::arg("rel_slack"));
   m.def("argmax_logits", &argmax_logits,
         "x @ w.T + bias where a token could be its row's argmax (from w's int8 copy q, scale), -inf elsewhere",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("q"), pybind11::arg("scale"),
