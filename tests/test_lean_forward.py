@@ -563,14 +563,16 @@ def test_eagle3_int8_head_scores_the_draft_vocabulary_from_one_kept_copy():
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.8
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("stream_rows", [16, 0])
-def test_eagle3_int8_draft_steps_run_the_int8_weights_and_a_prompt_the_fp32_ones(stream_rows):
+def test_eagle3_int8_draft_steps_run_the_int8_weights_and_a_prompt_the_fp32_ones(stream_rows, arch):
     """With int8 copies, a block of up to 16 rows (a draft step) runs `fc`, the layers and the head on int8 rows:
     the function of the weights those rows hold. A longer block (a prompt) runs `fc` and the layers in fp32, on
-    the kernel or not as `stream_rows` says."""
+    the kernel or not as `stream_rows` says. Qwen3's layer (q/k norms) too, op by op."""
     _kernel()
-    target = tiny_model("llama")
-    drafter, dequantized = _eagle3(target), _eagle3(target)  # the same weights
+    target = tiny_model(arch)
+    style = {"layer_style": "target"} if arch == "qwen3" else {}
+    drafter, dequantized = _eagle3(target, **style), _eagle3(target, **style)  # the same weights
     with torch.no_grad():
         for m in dequantized.modules():
             if isinstance(m, nn.Linear):

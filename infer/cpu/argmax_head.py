@@ -45,7 +45,7 @@ _ABSOLUTE_SLACK = 2.0 ** -18
 # A bf16 logit is within 2^-8 of its magnitude of its fp32 sum: two tokens whose sums differ by up to 2^-7 of the
 # largest |logit| may round to one value, where the first index wins.
 _BF16_TIE = 2.0 ** -7
-FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the full fp32 head is cheaper
+FULL_FRACTION = 0.125  # more candidates than this share of the vocabulary: the full head is cheaper
 
 
 class ArgmaxHead:

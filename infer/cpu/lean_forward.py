@@ -46,8 +46,8 @@ at every block size, as nothing else here runs them, in well under half the time
 (docs/benchmarks.md).
 
 Which targets: decoder layers of the classes in `LAYERS` with the Llama layout (Qwen3's q/k norms too, there
-without the kernel's fused layer calls; a SiLU gated MLP, biases or not, no tensor-parallel split, full attention or one sliding window that the mask already
-carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
+without the kernel's fused layer calls; a SiLU gated MLP, biases or not, no tensor-parallel split, full attention
+or one sliding window that the mask already carries). `why_not(target)` says why another target is left to transformers; the engine then runs the
 model's own forward as before. Module hooks outside transformers' own output capture also make it stand
 aside (`user_hooks`): a hook on the user's model must see every forward.
 """
@@ -326,7 +326,7 @@ class LeanLayers:
         h, kvh, hd = layer.heads, layer.kv_heads, layer.head_dim
         cos, sin = rotary
         native = self.native[index] if self.native else None
-        if self.compact_native[index] is not None and b * n <= self.COMPACT_ROWS:
+        if self.compact[index] is not None and b * n <= self.COMPACT_ROWS:
             layer, native = self.compact[index], self.compact_native[index]
         if self.fused and attention_mask is not None and isinstance(cache, RoomyCache):
             stream = self._streamed(b * n, *layer.linears)
