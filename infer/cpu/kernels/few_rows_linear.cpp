@@ -724,7 +724,7 @@ torch::Tensor int8_rows_linear(const torch::Tensor& x_in, const torch::Tensor& q
 // one fp32 scale each, as infer/cpu/linear.py's int8_rows makes them (scale = max(max|w| / 127, the smallest normal
 // float), q = w / scale rounded half to even, clamped to +-127), and each row's radius rho = (||w - q * scale|| +
 // gamma * (||w|| + ||q * scale||)) * (1 + rel_slack), the norms in float64 (infer/cpu/argmax_head.py derives it).
-// Torch's ops took 4 s for a 1B model's head, fifteen passes over float64 copies; this reads it once.
+// Torch's float64 ops over the whole head took 4.2 s for a 1B model's (128,256 x 2,048, 2 threads); this pass 0.3 s.
 std::vector<torch::Tensor> int8_rows_radius(const torch::Tensor& weight_in, double gamma, double rel_slack) {
   TORCH_CHECK(weight_in.dim() == 2 && (weight_in.scalar_type() == torch::kFloat ||
                                        weight_in.scalar_type() == torch::kBFloat16),
