@@ -71,6 +71,13 @@ def test_dry_run_of_the_whole_suite_on_the_tiny_shape(tmp_path):
         assert r["first_difference_vs_hf"] is None, name  # fp32 on a CPU: every row exact
         assert r["floor_share"] > 0 and "speedup_vs_hf_static" in r
     assert rows["hf_eager"]["tau"] == 1.0 and rows["none"]["tau"] == 1.0
+    # every engine run against the floor read just before it (transformers' say nothing of their prefill)
+    for name, r in rows.items():
+        assert len(r["gb_s_all"]) == len(r["seconds_all"]), name
+        if "decode_ms_per_step" in r:
+            assert len(r["decode_of_floor_all"]) == len(r["seconds_all"]) and min(r["decode_of_floor_all"]) > 0, name
+    assert "decode_of_floor_all" not in rows["hf_eager"]
+    assert "decoding step against the floor read just before it, run by run: " in (out / "results.md").read_text()
     # the oracle's acceptance is alpha's: 0.9 in chains of 8 gives 6.13 tokens a step on average
     assert rows["oracle:0.9"]["expected_tau"] == pytest.approx(expected_tokens_per_step(0.9, 8))
     for name in ("oracle:0.9", "oracle:0.9+static", "oracle:0.9+captured"):

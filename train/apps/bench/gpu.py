@@ -208,12 +208,15 @@ def suite(target, ids, settings: Settings, answers: dict) -> list[Row]:
 
 
 def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers: dict, save: Callable[[], None],
-              started: float, probe: Callable[[], float] | None = None) -> None:
+              started: float, probe: Callable[[], float] | None = None,
+              run_probe: Callable[[], float] | None = None) -> None:
     """Set up every row, then time them in `settings.repeats` interleaved rounds, into `result["rows"]`;
     whatever would start after the budget is skipped. `answers` gets each row's warm-up output (the rows built
     by `suite` with the same dict read it). `save()` after every row. `probe` (a CPU's read bandwidth, GB/s) runs
     before every round, its readings into `result["bandwidth_readings_gb_s"]`: the memory's pace drifts on a shared
-    host, and a floor read once, at another moment than the rows, moved a floor ratio by 1.4x."""
+    host, and a floor read once, at another moment than the rows, moved a floor ratio by 1.4x. `run_probe` (the
+    same, unrecorded there) runs before every row's run, into the row's `gb_s_all`: on this host the pace switched
+    between a round's reading and its rows (a reading of 84 GB/s before rows that ran at 48)."""
     device, records, live = target.device, result["rows"], {}
     over = lambda: time.perf_counter() - started > settings.budget_seconds  # noqa: E731
     for row in rows:
@@ -236,11 +239,13 @@ def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers
                 records[name].setdefault("skipped_runs", 0)
                 records[name]["skipped_runs"] += 1
                 continue
+            record = records[name]
+            if run_probe is not None:
+                record.setdefault("gb_s_all", []).append(run_probe())
             sync(device)
             tic = time.perf_counter()
             new, stats = run()
             sync(device)
-            record = records[name]
             record.setdefault("seconds_all", []).append(time.perf_counter() - tic)
             if "prefill_seconds" in stats:  # the engine's: the prompt's forward, which no drafting speeds up
                 record.setdefault("prefill_seconds_all", []).append(stats["prefill_seconds"])
@@ -281,6 +286,10 @@ def summarize(result: dict) -> None:
             r["decode_ms_per_step"] = 1000 * decoding / (r["target_forwards"] - 1)
             r["decode_tokens_per_s"] = (r["new_tokens"] - 1) / decoding
             r["decode_tau"] = (r["new_tokens"] - 1) / (r["target_forwards"] - 1)
+            if r.get("gb_s_all"):  # each run's decoding step against the floor read just before it
+                r["decode_of_floor_all"] = [(t - p) / (r["target_forwards"] - 1) * gb_s / result["step_weight_gb"]
+                                            for t, p, gb_s in zip(r["seconds_all"], prefill, r["gb_s_all"],
+                                                                  strict=True)]
     for r in rows.values():
         for ref in ("hf_eager", "hf_static", "none"):
             if "tokens_per_s" in r and "tokens_per_s" in rows.get(ref, {}):
@@ -356,6 +365,10 @@ def to_markdown(result: dict) -> str:
                                                      ("first_difference_vs_hf", "d"))]
         lines.append(f"| {name} | {r['tokens_per_s']:.1f} | {r['ms_per_step']:.2f} | {r['tau']:.2f} | "
                      + " | ".join(cells) + " |")
+    by_run = [f"{name} " + " / ".join(f"{x:.2f}x" for x in r["decode_of_floor_all"])
+              for name, r in result["rows"].items() if r.get("decode_of_floor_all")]
+    if by_run:
+        lines += ["", "decoding step against the floor read just before it, run by run: " + "; ".join(by_run)]
     widths = result.get("verify_ms_by_width")
     if isinstance(widths, dict) and "error" not in widths and "skipped" not in widths:
         lines += ["", f"verify forward by width ({widths.get('path', 'transformers')}; nodes: ms): "
@@ -427,11 +440,15 @@ def run_random_target(args, argv=None) -> int:
             result.setdefault("weights_read_gb_s", []).append(own)
             return max(buffer, own)
 
+        def run_reading() -> float:  # the same, before each row's run: its own floor, not the headline's
+            return max(read_bandwidth_gb_s(), weights_read_gb_s(weights))
+
         result["bandwidth_readings_gb_s"] = [probe()]
         result["bandwidth_gb_s"] = result["bandwidth_readings_gb_s"][0]
         result["memory_floor_ms"] = 1000 * weight_bytes / (result["bandwidth_gb_s"] * 1e9)
     run_suite(target, suite(target, ids, settings, answers), settings, result, answers, save, started,
-              probe=probe if measured else None)
+              probe=probe if measured else None,
+              run_probe=run_reading if measured else None)
     if measured:  # the floor from the fastest reading: the hardest to meet, read beside the rows it judges
         readings = result["bandwidth_readings_gb_s"]
         result["bandwidth_gb_s"] = max(readings)
