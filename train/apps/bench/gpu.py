@@ -215,8 +215,8 @@ def run_suite(target, rows: list[Row], settings: Settings, result: dict, answers
     by `suite` with the same dict read it). `save()` after every row. `probe` (a CPU's read bandwidth, GB/s) runs
     before every round, its readings into `result["bandwidth_readings_gb_s"]`: the memory's pace drifts on a shared
     host, and a floor read once, at another moment than the rows, moved a floor ratio by 1.4x. `run_probe` (the
-    same, unrecorded there) runs before every row's run, into the row's `gb_s_all`: on this host the pace switched
-    between a round's reading and its rows (a reading of 84 GB/s before rows that ran at 48)."""
+    same, unrecorded there) runs before every row's run, into the row's `gb_s_all`: the pace can switch between a
+    round's reading and the rows after it."""
     device, records, live = target.device, result["rows"], {}
     over = lambda: time.perf_counter() - started > settings.budget_seconds  # noqa: E731
     for row in rows:
@@ -328,6 +328,14 @@ def step_bytes(target) -> int:
     return sum(p.numel() * p.element_size() for p in step_weights(target))
 
 
+def step_readings_gb_s(weights: list[torch.Tensor]) -> tuple[float, float]:
+    """A CPU's read bandwidth two ways, GB/s: a 512 MB buffer's sum, and `weights` (a step's own) read once. A step's
+    floor is its bytes at the faster."""
+    from .report import read_bandwidth_gb_s
+
+    return read_bandwidth_gb_s(), weights_read_gb_s(weights)
+
+
 def weights_read_gb_s(weights: list[torch.Tensor], passes: int = 3) -> float:
     """GB/s of torch reading exactly these tensors once, in their own pages (the best of `passes`): the step's own
     bytes, where a fresh buffer's reading may differ. 2-byte weights are summed as fp32 pairs (a bf16 sum runs a
@@ -431,17 +439,15 @@ def run_random_target(args, argv=None) -> int:
     ids = torch.randint(0, target.config.vocab_size, (1, args.prompt_tokens), generator=generator).to(device)
     answers = {}
     if measured:
-        from train.apps.bench.report import read_bandwidth_gb_s
-
         weights = step_weights(target)
 
         def probe() -> float:  # both readings; the faster is the floor's
-            buffer, own = read_bandwidth_gb_s(), weights_read_gb_s(weights)
+            buffer, own = step_readings_gb_s(weights)
             result.setdefault("weights_read_gb_s", []).append(own)
             return max(buffer, own)
 
         def run_reading() -> float:  # the same, before each row's run: its own floor, not the headline's
-            return max(read_bandwidth_gb_s(), weights_read_gb_s(weights))
+            return max(step_readings_gb_s(weights))
 
         result["bandwidth_readings_gb_s"] = [probe()]
         result["bandwidth_gb_s"] = result["bandwidth_readings_gb_s"][0]

@@ -1,6 +1,7 @@
 """An interleaved A/B of the engine's options on one random target, in one process: which of two paths is faster at a
-decoding step, with the memory's pace read before every run (it moves within minutes on a shared host), so that each
-step is set against the floor of its own moment.
+decoding step, with the memory's pace read before every run as `scripts/bench.py` reads it (the faster of a buffer's
+sum and the step's own weights; it moves within minutes on a shared host), so that each step is set against the
+floor of its own moment.
 
     python scripts/bench_options.py --random-target llama3-1b --dtype bfloat16 \
         --variant lean_verify=False --variant int8_argmax=False --variant "" --rounds 4
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from infer import SelfSpecModel
     from infer.random_target import build_random_target
 
-    from .gpu import step_bytes, step_weights, weights_read_gb_s
+    from .gpu import step_bytes, step_readings_gb_s, step_weights
 
     torch.set_num_threads(args.threads)
     target = build_random_target(args.random_target, device="cpu", dtype=getattr(torch, args.dtype))
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {text: [] for text in engines}
     for r in range(args.rounds):
         for text in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
-            bandwidth = weights_read_gb_s(step_weights(target))
+            bandwidth = max(step_readings_gb_s(step_weights(target)))  # as scripts/bench.py reads it
             engine = engines[text]
             tic = time.perf_counter()
             tokens = engine.generate(ids, max_new_tokens=args.max_new_tokens)[0, PROMPT_TOKENS:].tolist()
